@@ -1,0 +1,141 @@
+"""One peer channel: the state machine, the view mappings and the copy dispatch.
+
+A channel belongs to the endpoint that *writes* (the source of a load) and one peer rank.
+Mapping registration is single-flight: concurrent callers wait on one lock and see the
+result of the registration in progress; a failure is retried with backoff per the
+:class:`RetryPolicy` and never cached. A transport failure resets the channel: state back
+to ``full``, every mapping dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+
+from .errors import (InvalidRequestError, PeerLostError, RegistrationError, TransferError,
+                     XavierError)
+from .layout import align_up
+from .metrics import PeerMetrics
+from .policy import ChannelPolicy
+from .retry import RetryPolicy
+from .slabs import Slab
+from .transports.base import Transport
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """What one write will do: through which view, how many bytes on the wire."""
+
+    payload: int
+    view_bytes: int
+    wire_bytes: int
+    mapping: object
+
+
+class PeerChannel:
+    """The writer's side of one (endpoint, peer) pair."""
+
+    def __init__(self, peer: int, transport: Transport, send_slab: Slab, policy: ChannelPolicy,
+                 retry: RetryPolicy, metrics: PeerMetrics, *, trimmed: bool, trim_align: int) -> None:
+        self.peer = peer
+        self.transport = transport
+        self.send_slab = send_slab
+        self.policy = policy
+        self.retry = retry
+        self.metrics = metrics
+        self.trimmed = trimmed
+        self.trim_align = trim_align
+        self._mappings: dict[int, object] = {}
+        self._map_lock = anyio.Lock()
+        self._last_view = 0
+
+    @property
+    def mapped_views(self) -> tuple[int, ...]:
+        """Sizes of the views currently mapped for this peer."""
+        return tuple(sorted(self._mappings))
+
+    async def mapping(self, view_bytes: int) -> object:
+        """The mapping for a view, registering it on first use (single flight, retried)."""
+        m = self._mappings.get(view_bytes)
+        if m is not None:
+            return m
+        view = self.send_slab.view(view_bytes)
+        async with self._map_lock:
+            m = self._mappings.get(view_bytes)
+            if m is not None:
+                return m
+            delays = self.retry.delays()
+            while True:
+                try:
+                    m = await self.transport.map_view(self.peer, view)
+                except (PeerLostError, InvalidRequestError):
+                    self.metrics.failures += 1
+                    raise
+                except Exception as exc:  # transport-specific failures are retried
+                    delay = next(delays, None)
+                    if delay is None:
+                        self.metrics.failures += 1
+                        raise RegistrationError(
+                            f"mapping {view} for rank {self.peer} failed after "
+                            f"{self.retry.attempts} attempt(s): {exc}") from exc
+                    self.metrics.retries += 1
+                    await anyio.sleep(delay)
+                else:
+                    self._mappings[view_bytes] = m
+                    self.metrics.registrations += 1
+                    return m
+
+    async def prepare(self, payload: int) -> CopyPlan:
+        """Choose the view for a batch, make sure it is mapped, then commit the choice.
+
+        The machine only advances once the mapping exists, so a failed registration leaves
+        the channel's state as it was.
+        """
+        view_bytes = self.policy.peek(payload)
+        mapping = self._mappings.get(view_bytes)
+        if mapping is None:
+            mapping = await self.mapping(view_bytes)
+        chosen = self.policy.select(payload)
+        assert chosen == view_bytes
+        wire = min(view_bytes, align_up(payload, self.trim_align)) if self.trimmed else view_bytes
+        return CopyPlan(payload, view_bytes, wire, mapping)
+
+    async def write(self, plan: CopyPlan, notify: bytes | None) -> None:
+        """Start the copy and wait, shielded, for its terminal state."""
+        m = self.metrics
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.transport.write(self.peer, plan.mapping, plan.wire_bytes, notify)
+        except XavierError as exc:
+            m.failures += 1
+            await self.reset()
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(f"copy to rank {self.peer} failed: {exc}") from exc
+        except Exception as exc:
+            m.failures += 1
+            await self.reset()
+            raise TransferError(f"copy to rank {self.peer} failed: {exc}") from exc
+        m.batches_sent += 1
+        m.useful_bytes += plan.payload
+        m.wire_bytes += plan.wire_bytes
+        if plan.view_bytes == self.policy.small_bytes and plan.view_bytes != self.policy.full_bytes:
+            m.copies_small += 1
+        else:
+            m.copies_full += 1
+        if self._last_view and self._last_view != plan.view_bytes:
+            m.view_switches += 1
+        self._last_view = plan.view_bytes
+
+    async def reset(self) -> None:
+        """Back to ``full`` with no mappings (after a transport failure)."""
+        self.policy.reset()
+        self._mappings.clear()
+        self._last_view = 0
+        self.metrics.resets += 1
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.transport.forget(self.peer)
+            except Exception:  # the peer may be gone already; the mappings are dropped here
+                pass

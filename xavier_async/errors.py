@@ -1,0 +1,53 @@
+"""Exceptions raised by xavier_async.
+
+Every error a caller can act on has its own class; all derive from :class:`XavierError`.
+Input errors also derive from :class:`ValueError` so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class XavierError(Exception):
+    """Base class of every xavier_async error."""
+
+
+class InvalidRequestError(XavierError, ValueError):
+    """A load request, size, budget or tensor was rejected before any byte moved."""
+
+
+class LayoutMismatchError(InvalidRequestError):
+    """Two endpoints (or a cache and its published layout) disagree on block shape or dtype."""
+
+
+class UnknownPeerError(XavierError, KeyError):
+    """The peer rank is not connected to this endpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown peer"
+
+
+class EndpointClosedError(XavierError, RuntimeError):
+    """The endpoint is closing or closed and takes no new work."""
+
+
+class RegistrationError(XavierError):
+    """Mapping a slab view with the transport failed after every retry.
+
+    The failure is never cached: the next caller tries again.
+    """
+
+
+class TransferError(XavierError):
+    """A copy failed in the transport. The peer's channel was reset."""
+
+
+class PeerLostError(TransferError):
+    """The peer went away (process died, connection closed, or it stopped answering)."""
+
+
+class RemoteError(XavierError):
+    """The source endpoint refused a load (for example an unpublished block key)."""
+
+
+class HandshakeError(XavierError):
+    """Connecting to a peer failed: bad address, version or layout mismatch."""

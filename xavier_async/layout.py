@@ -1,0 +1,115 @@
+"""Cache layouts and the checks run on caller input before any byte moves (pure core)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from .errors import InvalidRequestError, LayoutMismatchError
+
+LayerId = Union[int, str]
+BlockKey = Union[int, str, bytes]
+
+#: Packed segments start at multiples of this, so any dtype can be viewed in place.
+SEGMENT_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Shape and dtype of one block of one layer (a cache is ``[num_slots, *block_shape]``)."""
+
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+    num_slots: int
+
+    @property
+    def block_nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for d in self.block_shape:
+            n *= d
+        return n
+
+    def wire(self) -> list[Any]:
+        """The part two endpoints must agree on (slot counts may differ)."""
+        return [list(self.block_shape), str(self.dtype).removeprefix("torch.")]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Per-layer block layout of an endpoint's caches, plus the device they live on."""
+
+    layers: Mapping[LayerId, LayerSpec]
+    device: torch.device
+
+    @classmethod
+    def of(cls, caches: Mapping[LayerId, torch.Tensor]) -> CacheLayout:
+        """Validate ``{layer: tensor[num_slots, *block_shape]}`` and describe it."""
+        if not isinstance(caches, Mapping) or not caches:
+            raise InvalidRequestError("caches must be a non-empty mapping {layer: tensor}")
+        layers: dict[LayerId, LayerSpec] = {}
+        device: torch.device | None = None
+        for layer, t in caches.items():
+            check_layer_id(layer)
+            if not isinstance(t, torch.Tensor):
+                raise InvalidRequestError(f"cache for layer {layer!r} is not a torch.Tensor")
+            if t.dim() < 2:
+                raise InvalidRequestError(
+                    f"cache for layer {layer!r} must be [num_slots, *block_shape], got shape "
+                    f"{tuple(t.shape)}")
+            if not t.is_contiguous():
+                raise InvalidRequestError(f"cache for layer {layer!r} is not contiguous")
+            if t.shape[0] < 1 or t[0].numel() == 0:
+                raise InvalidRequestError(f"cache for layer {layer!r} is empty")
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise InvalidRequestError(
+                    f"all caches must be on one device: layer {layer!r} is on {t.device}, "
+                    f"others on {device}")
+            layers[layer] = LayerSpec(tuple(t.shape[1:]), t.dtype, int(t.shape[0]))
+        assert device is not None
+        return cls(layers, device)
+
+    def wire(self) -> list[Any]:
+        """A JSON-able description used in the handshake."""
+        return [[layer, spec.wire()] for layer, spec in self.layers.items()]
+
+    def check_compatible(self, peer_wire: list[Any], peer: str) -> None:
+        """Raise :class:`LayoutMismatchError` unless the shared layers agree on shape and dtype."""
+        theirs = {_layer_from_wire(layer): spec for layer, spec in peer_wire}
+        problems = []
+        for layer, spec in self.layers.items():
+            if layer in theirs and theirs[layer] != spec.wire():
+                problems.append(f"layer {layer!r}: local {spec.wire()} vs {peer} {theirs[layer]}")
+        if problems:
+            raise LayoutMismatchError("cache layout mismatch: " + "; ".join(problems))
+
+
+def _layer_from_wire(layer: Any) -> LayerId:
+    return layer  # JSON keeps int and str apart
+
+
+def check_layer_id(layer: object) -> None:
+    if isinstance(layer, bool) or not isinstance(layer, (int, str)):
+        raise InvalidRequestError(f"layer ids must be int or str, got {layer!r}")
+
+
+def check_key(key: object) -> None:
+    if isinstance(key, bool) or not isinstance(key, (int, str, bytes)):
+        raise InvalidRequestError(f"block keys must be int, str or bytes, got {key!r}")
+
+
+def check_slot(slot: object, spec: LayerSpec, layer: LayerId) -> int:
+    if isinstance(slot, bool) or not isinstance(slot, int):
+        raise InvalidRequestError(f"slot for layer {layer!r} must be an int, got {slot!r}")
+    if not 0 <= slot < spec.num_slots:
+        raise InvalidRequestError(
+            f"slot {slot} out of range for layer {layer!r} ({spec.num_slots} slots)")
+    return slot
+
+
+def align_up(n: int, align: int) -> int:
+    return -(-n // align) * align

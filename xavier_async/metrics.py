@@ -1,0 +1,71 @@
+"""Counters kept per endpoint and per peer. Plain ints: cheap on the hot path."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class PeerMetrics:
+    """What one endpoint did with one peer.
+
+    Writer side (this endpoint copied into the peer): ``batches_sent``, ``useful_bytes``,
+    ``wire_bytes``, ``copies_full``, ``copies_small``, ``view_switches``, ``registrations``
+    (view mappings made), ``retries``, ``failures``, ``resets``.
+    Receiver side (this endpoint loaded from the peer): ``batches_received``,
+    ``bytes_received``, ``load_errors``.
+    """
+
+    batches_sent: int = 0
+    useful_bytes: int = 0
+    wire_bytes: int = 0
+    copies_full: int = 0
+    copies_small: int = 0
+    view_switches: int = 0
+    registrations: int = 0
+    retries: int = 0
+    failures: int = 0
+    resets: int = 0
+    batches_received: int = 0
+    bytes_received: int = 0
+    load_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class EndpointMetrics:
+    """Per-peer metrics plus the endpoint's own counters."""
+
+    memory_registrations: int = 0
+    loads: int = 0
+    peers: dict[int, PeerMetrics] = field(default_factory=dict)
+
+    def peer(self, rank: int) -> PeerMetrics:
+        m = self.peers.get(rank)
+        if m is None:
+            m = self.peers[rank] = PeerMetrics()
+        return m
+
+    def total(self) -> PeerMetrics:
+        """Sum over peers."""
+        out = PeerMetrics()
+        for m in self.peers.values():
+            for f in fields(PeerMetrics):
+                setattr(out, f.name, getattr(out, f.name) + getattr(m, f.name))
+        return out
+
+    @property
+    def registrations(self) -> int:
+        """Memory registrations plus view mappings: flat after warm-up."""
+        return self.memory_registrations + self.total().registrations
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "memory_registrations": self.memory_registrations,
+            "registrations": self.registrations,
+            "loads": self.loads,
+            "total": self.total().as_dict(),
+            "peers": {rank: m.as_dict() for rank, m in sorted(self.peers.items())},
+        }

@@ -1,0 +1,166 @@
+"""Turning a load request into batches that fit the slab (pure core, no I/O).
+
+A request names, per source rank, ``{layer: {block key: slot or [slots]}}``. Requests are
+merged and validated as a whole before anything is sent: unknown layers, bad slots and two
+different blocks aimed at one slot are rejected up front. Each source's blocks are then
+packed greedily, in request order, into batches no larger than the full slab; a batch is a
+list of per-layer segments at aligned offsets. Source and receiver compute the same offsets
+from the same layout, so only the keys cross the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from .errors import InvalidRequestError
+from .layout import (SEGMENT_ALIGN, BlockKey, CacheLayout, LayerId, align_up, check_key,
+                     check_layer_id, check_slot)
+
+SlotSpec = Union[int, Sequence[int]]
+#: ``{source rank: {layer: {block key: slot or [slots]}}}``
+LoadRequest = Mapping[int, Mapping[LayerId, Mapping[BlockKey, SlotSpec]]]
+#: Normalized request for one source: ``{layer: {key: (slots...)}}``, in request order.
+SourcePlan = dict[LayerId, dict[BlockKey, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive blocks of one layer inside a batch."""
+
+    layer: LayerId
+    keys: tuple[BlockKey, ...]
+    offset: int
+    block_nbytes: int
+    #: receiver slots for each key (one key may feed several slots)
+    slots: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_nbytes * len(self.keys)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One copy: segments packed from offset 0; ``nbytes`` is the payload end."""
+
+    segments: tuple[Segment, ...]
+    nbytes: int
+
+    @property
+    def useful_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def wire(self) -> list[Any]:
+        """What the source needs to pack it: ``[[layer, [keys] or 0], ...]``.
+
+        ``0`` means "the same keys as the previous segment" (the common case: one block
+        hash names the same slot in every layer), which keeps requests small.
+        """
+        out: list[Any] = []
+        prev: tuple[BlockKey, ...] | None = None
+        for s in self.segments:
+            out.append([s.layer, 0 if s.keys == prev else list(s.keys)])
+            prev = s.keys
+        return out
+
+
+def normalize(requests: LoadRequest | Iterable[LoadRequest], layout: CacheLayout,
+              ) -> dict[int, SourcePlan]:
+    """Merge one or several requests and validate them all before any byte moves."""
+    if isinstance(requests, Mapping):
+        requests = [requests]
+    merged: dict[int, SourcePlan] = {}
+    owner: dict[tuple[LayerId, int], tuple[int, BlockKey]] = {}
+    for req in requests:
+        if not isinstance(req, Mapping):
+            raise InvalidRequestError(f"a load request must be a mapping, got {type(req).__name__}")
+        for src, layers in req.items():
+            if isinstance(src, bool) or not isinstance(src, int) or src < 0:
+                raise InvalidRequestError(f"source ranks must be ints >= 0, got {src!r}")
+            if not isinstance(layers, Mapping):
+                raise InvalidRequestError(f"request for source {src} must map layer -> blocks")
+            per_src = merged.setdefault(src, {})
+            for layer, blocks in layers.items():
+                check_layer_id(layer)
+                spec = layout.layers.get(layer)
+                if spec is None:
+                    raise InvalidRequestError(f"unknown layer {layer!r} (not in this endpoint's caches)")
+                if not isinstance(blocks, Mapping):
+                    raise InvalidRequestError(f"blocks for layer {layer!r} must map key -> slot")
+                per_layer = per_src.setdefault(layer, {})
+                for key, slots in blocks.items():
+                    check_key(key)
+                    slot_list = (slots,) if isinstance(slots, int) and not isinstance(slots, bool) \
+                        else tuple(slots) if isinstance(slots, (list, tuple)) else (slots,)
+                    if not slot_list:
+                        raise InvalidRequestError(f"key {key!r} in layer {layer!r} names no slot")
+                    for slot in slot_list:
+                        check_slot(slot, spec, layer)
+                        prev = owner.setdefault((layer, slot), (src, key))
+                        if prev != (src, key):
+                            raise InvalidRequestError(
+                                f"conflicting destinations: slot {slot} of layer {layer!r} is "
+                                f"targeted by key {prev[1]!r} from rank {prev[0]} and by key "
+                                f"{key!r} from rank {src}")
+                    old = per_layer.get(key, ())
+                    per_layer[key] = old + tuple(s for s in slot_list if s not in old)
+    return merged
+
+
+def segment_offsets(items: Iterable[tuple[int, int]]) -> tuple[list[int], int]:
+    """Offsets for segments of ``(block_nbytes, count)``; returns (offsets, payload end)."""
+    offsets, off = [], 0
+    for block_nbytes, count in items:
+        off = align_up(off, SEGMENT_ALIGN)
+        offsets.append(off)
+        off += block_nbytes * count
+    return offsets, off
+
+
+def plan_batches(plan: SourcePlan, layout: CacheLayout, full_bytes: int) -> list[Batch]:
+    """Pack one source's blocks greedily into batches of at most ``full_bytes``."""
+    batches: list[Batch] = []
+    segs: list[Segment] = []
+    off = 0
+    for layer, blocks in plan.items():
+        bn = layout.layers[layer].block_nbytes
+        if bn > full_bytes:
+            raise InvalidRequestError(
+                f"a block of layer {layer!r} ({bn} B) is larger than the full slab ({full_bytes} B)")
+        keys: list[BlockKey] = []
+        slots: list[tuple[int, ...]] = []
+        start = align_up(off, SEGMENT_ALIGN)
+        for key, key_slots in blocks.items():
+            if start + (len(keys) + 1) * bn > full_bytes:
+                if keys:
+                    segs.append(Segment(layer, tuple(keys), start, bn, tuple(slots)))
+                    off = start + len(keys) * bn
+                batches.append(Batch(tuple(segs), off))
+                segs, keys, slots, off, start = [], [], [], 0, 0
+            keys.append(key)
+            slots.append(key_slots)
+        if keys:
+            segs.append(Segment(layer, tuple(keys), start, bn, tuple(slots)))
+            off = start + len(keys) * bn
+    if segs:
+        batches.append(Batch(tuple(segs), off))
+    return batches
+
+
+def segments_from_wire(wire: Sequence[Any], layout: CacheLayout) -> tuple[list[Segment], int]:
+    """Rebuild a batch's segments on the source from ``Batch.wire()`` (same offsets)."""
+    specs: list[tuple[LayerId, tuple[BlockKey, ...], int]] = []
+    for item in wire:
+        layer, keys = item
+        if keys == 0:
+            if not specs:
+                raise InvalidRequestError("malformed batch: first segment repeats nothing")
+            keys = specs[-1][1]
+        spec = layout.layers.get(layer)
+        if spec is None:
+            raise InvalidRequestError(f"unknown layer {layer!r} on the source")
+        specs.append((layer, tuple(keys), spec.block_nbytes))
+    offsets, end = segment_offsets((bn, len(keys)) for _, keys, bn in specs)
+    return [Segment(layer, keys, o, bn) for (layer, keys, bn), o in zip(specs, offsets)], end

@@ -1,0 +1,23 @@
+"""Transport plugins: in-process (:class:`LocalTransport`), fault-injecting
+(:class:`FaultyTransport`) and NIXL (:class:`NixlTransport`, imported lazily)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .base import Transport, TransportHost
+from .faulty import FaultPlan, FaultyTransport
+from .local import LocalFabric, LocalTransport
+
+if TYPE_CHECKING:
+    from .nixl import NixlTransport
+
+__all__ = ["Transport", "TransportHost", "LocalFabric", "LocalTransport", "FaultPlan",
+           "FaultyTransport", "NixlTransport"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NixlTransport":  # keep `import xavier_async` free of the NIXL import cost
+        from .nixl import NixlTransport
+        return NixlTransport
+    raise AttributeError(name)

@@ -1,0 +1,96 @@
+"""The transport plugin interface.
+
+A transport moves bytes from this endpoint's send slab into a peer's receive slab and
+carries small control messages. It is shaped after NIXL: memory is registered once, a
+*view mapping* (local send view -> the peer's receive view of the same size) is made once
+per (peer, view), a copy is a WRITE of equal-length local and remote ranges that may carry
+a notification, and completion is polled.
+
+The endpoint engine owns all policy (which view, when to retry, what to reset); a
+transport only does what it is told and reports failures as :class:`TransferError` /
+:class:`PeerLostError` / :class:`HandshakeError`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from ..slabs import Slab, SlabView
+
+
+class TransportHost(Protocol):
+    """What a transport may call back on its endpoint (all non-blocking)."""
+
+    rank: int
+
+    def hello(self) -> dict[str, Any]:
+        """Handshake payload: rank, protocol version, layout, slab sizes."""
+
+    def check_hello(self, hello: dict[str, Any]) -> None:
+        """Validate a peer's hello; raise :class:`HandshakeError` or a layout error."""
+
+    def peer_joined(self, peer: int, hello: dict[str, Any]) -> None:
+        """The handshake with ``peer`` succeeded on both ends."""
+
+    def deliver(self, peer: int, msg: bytes) -> None:
+        """A control message (or a write's notification) arrived from ``peer``."""
+
+    def peer_lost(self, peer: int, exc: BaseException) -> None:
+        """``peer`` is gone; fail what waits on it and reset its channel."""
+
+
+class Transport(abc.ABC):
+    """One transport instance serves exactly one endpoint."""
+
+    #: short name used in metrics and benchmark output
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.memory_registrations = 0
+
+    @abc.abstractmethod
+    async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
+        """Register both slabs (once, for the endpoint's lifetime) and start background work in ``tg``."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """Where peers reach this endpoint (give it to :meth:`Endpoint.connect`)."""
+
+    @abc.abstractmethod
+    async def connect(self, address: str) -> tuple[int, dict[str, Any]]:
+        """Handshake with the endpoint at ``address``; return (peer rank, peer hello)."""
+
+    @abc.abstractmethod
+    async def map_view(self, peer: int, view: SlabView) -> object:
+        """Map our send ``view`` to the peer's receive view of the same size (may fail)."""
+
+    @abc.abstractmethod
+    async def write(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> None:
+        """Copy the first ``nbytes`` of the mapped view; return once the transport reports
+        a terminal state. ``notify`` reaches the peer's :meth:`TransportHost.deliver` after
+        the bytes have landed. The engine calls this inside a shielded scope."""
+
+    @abc.abstractmethod
+    async def send(self, peer: int, msg: bytes) -> None:
+        """Send a control message to ``peer``."""
+
+    @abc.abstractmethod
+    async def forget(self, peer: int) -> None:
+        """Drop every mapping for ``peer`` (its channel is being reset)."""
+
+    @abc.abstractmethod
+    async def disconnect(self, peer: int) -> None:
+        """Forget ``peer`` entirely (idempotent)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release everything: mappings, connections, memory registrations (idempotent)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Environment facts for benchmark reports."""
+        return {"transport": self.name}

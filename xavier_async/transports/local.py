@@ -1,0 +1,141 @@
+"""In-process transport: endpoints in one process copy real bytes between their slabs.
+
+The default for unit tests and for trying the library. It keeps the same contract as
+NIXL: slabs are "registered" once, a mapping is made per (peer, view), a write copies
+equal-length ranges and then delivers its notification.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ..errors import HandshakeError, PeerLostError, TransferError, UnknownPeerError
+from .base import Transport
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from ..slabs import Slab, SlabView
+    from .base import TransportHost
+
+
+class LocalFabric:
+    """The "network" that in-process endpoints share: an address book."""
+
+    def __init__(self) -> None:
+        self._endpoints: dict[str, LocalTransport] = {}
+        self._names = itertools.count()
+
+    def _join(self, t: LocalTransport) -> str:
+        address = f"local://{next(self._names)}"
+        self._endpoints[address] = t
+        return address
+
+    def _leave(self, address: str) -> None:
+        self._endpoints.pop(address, None)
+
+    def lookup(self, address: str) -> LocalTransport:
+        t = self._endpoints.get(address)
+        if t is None:
+            raise HandshakeError(f"no endpoint listens at {address!r}")
+        return t
+
+    def transport(self) -> LocalTransport:
+        """A new transport on this fabric, for one endpoint."""
+        return LocalTransport(self)
+
+
+class LocalTransport(Transport):
+    """Copies with ``torch.Tensor.copy_`` between endpoints of one process."""
+
+    name = "local"
+
+    def __init__(self, fabric: LocalFabric | None = None) -> None:
+        super().__init__()
+        self.fabric = fabric if fabric is not None else LocalFabric()
+        self._address: str | None = None
+        self._peers: dict[int, LocalTransport] = {}
+        self._mappings: dict[int, set[int]] = {}
+        self.host: TransportHost | None = None
+        self.send_slab: Slab | None = None
+        self.recv_slab: Slab | None = None
+
+    async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
+        self.host, self.send_slab, self.recv_slab = host, send, recv
+        self.memory_registrations += 2
+        self._address = self.fabric._join(self)
+
+    @property
+    def address(self) -> str:
+        if self._address is None:
+            raise RuntimeError("transport not started")
+        return self._address
+
+    def _peer(self, peer: int) -> LocalTransport:
+        t = self._peers.get(peer)
+        if t is None:
+            raise UnknownPeerError(f"rank {peer} is not connected")
+        if t._address is None:
+            raise PeerLostError(f"rank {peer} has closed")
+        return t
+
+    async def connect(self, address: str) -> tuple[int, dict[str, Any]]:
+        await anyio.lowlevel.checkpoint()
+        other = self.fabric.lookup(address)
+        assert self.host is not None and other.host is not None
+        mine, theirs = self.host.hello(), other.host.hello()
+        self.host.check_hello(theirs)
+        other.host.check_hello(mine)
+        self._peers[theirs["rank"]] = other
+        other._peers[mine["rank"]] = self
+        other.host.peer_joined(mine["rank"], mine)
+        self.host.peer_joined(theirs["rank"], theirs)
+        return theirs["rank"], theirs
+
+    async def map_view(self, peer: int, view: SlabView) -> object:
+        await anyio.lowlevel.checkpoint()
+        other = self._peer(peer)
+        assert other.recv_slab is not None
+        other.recv_slab.view(view.nbytes)  # the peer must have the same view
+        self._mappings.setdefault(peer, set()).add(view.nbytes)
+        return view
+
+    async def write(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> None:
+        other = self._peer(peer)
+        view: SlabView = mapping  # type: ignore[assignment]
+        if view.nbytes not in self._mappings.get(peer, ()):
+            raise TransferError(f"view {view} is not mapped for rank {peer}")
+        assert other.recv_slab is not None and other.host is not None and self.host is not None
+        other.recv_slab.tensor[:nbytes].copy_(view.tensor[:nbytes])
+        await anyio.lowlevel.checkpoint()
+        if notify is not None:
+            other.host.deliver(self.host.rank, notify)
+
+    async def send(self, peer: int, msg: bytes) -> None:
+        other = self._peer(peer)
+        assert other.host is not None and self.host is not None
+        other.host.deliver(self.host.rank, msg)
+        await anyio.lowlevel.checkpoint()
+
+    async def forget(self, peer: int) -> None:
+        self._mappings.pop(peer, None)
+
+    async def disconnect(self, peer: int) -> None:
+        self._mappings.pop(peer, None)
+        self._peers.pop(peer, None)
+
+    async def aclose(self) -> None:
+        if self._address is None:
+            return
+        address, self._address = self._address, None
+        self.fabric._leave(address)
+        assert self.host is not None
+        for rank, other in list(self._peers.items()):
+            if other.host is not None and other._address is not None:
+                other.host.peer_lost(self.host.rank, PeerLostError(f"rank {self.host.rank} closed"))
+            other._peers.pop(self.host.rank, None)
+        self._peers.clear()
+        self._mappings.clear()
