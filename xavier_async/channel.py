@@ -47,7 +47,7 @@ class PeerChannel:
         self.trimmed = trimmed
         self.trim_align = trim_align
         self._mappings: dict[int, object] = {}
-        self._map_lock = anyio.Lock()
+        self._map_lock = anyio.Lock(fast_acquire=True)
         self._last_view = 0
 
     @property
@@ -105,8 +105,10 @@ class PeerChannel:
         """Start the copy and wait, shielded, for its terminal state."""
         m = self.metrics
         try:
-            with anyio.CancelScope(shield=True):
-                await self.transport.write(self.peer, plan.mapping, plan.wire_bytes, notify)
+            pending = self.transport.post(self.peer, plan.mapping, plan.wire_bytes, notify)
+            if pending is not None:  # not finished while posting: wait, shielded
+                with anyio.CancelScope(shield=True):
+                    await self.transport.wait(pending)
         except XavierError as exc:
             m.failures += 1
             await self.reset()

@@ -138,8 +138,8 @@ class Endpoint:
         self._peer_hello: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, _Waiter] = {}
         self._ids = itertools.count(1)
-        self._send_lock = anyio.Lock()
-        self._recv_lock = anyio.Lock()
+        self._send_lock = anyio.Lock(fast_acquire=True)
+        self._recv_lock = anyio.Lock(fast_acquire=True)
         self._inflight = 0
         self._idle: anyio.Event | None = None
         self._state = "new"   # new -> open -> closing -> closed

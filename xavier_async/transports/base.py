@@ -70,10 +70,26 @@ class Transport(abc.ABC):
         """Map our send ``view`` to the peer's receive view of the same size (may fail)."""
 
     @abc.abstractmethod
+    def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
+        """Start copying the first ``nbytes`` of the mapped view into the peer's receive
+        view. Synchronous and short: it may spin briefly so that small copies finish
+        here. Returns ``None`` when the copy already reached its terminal state, else a
+        token for :meth:`wait`. ``notify`` reaches the peer's :meth:`TransportHost.deliver`
+        after the bytes have landed. Raises :class:`TransferError` on failure."""
+
+    @abc.abstractmethod
+    async def wait(self, pending: object) -> None:
+        """Wait until a copy started by :meth:`post` is terminal. The engine calls this
+        inside a shielded scope: it must itself end (done, failed, or timed out)."""
+
     async def write(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> None:
-        """Copy the first ``nbytes`` of the mapped view; return once the transport reports
-        a terminal state. ``notify`` reaches the peer's :meth:`TransportHost.deliver` after
-        the bytes have landed. The engine calls this inside a shielded scope."""
+        """:meth:`post` then, shielded, :meth:`wait`."""
+        import anyio
+
+        pending = self.post(peer, mapping, nbytes, notify)
+        if pending is not None:
+            with anyio.CancelScope(shield=True):
+                await self.wait(pending)
 
     @abc.abstractmethod
     async def send(self, peer: int, msg: bytes) -> None:

@@ -49,6 +49,16 @@ class FaultCounts:
     peers_lost: int = 0
 
 
+@dataclass
+class _Stalled:
+    peer: int
+    mapping: object
+    nbytes: int
+    notify: bytes | None
+    delay: float
+    fail: bool
+
+
 class FaultyTransport(Transport):
     """Delegates to ``inner`` and injects the faults of a :class:`FaultPlan`."""
 
@@ -128,23 +138,37 @@ class FaultyTransport(Transport):
             raise TransferError(f"injected registration failure for {view} -> rank {peer}")
         return await self.inner.map_view(peer, view)
 
-    async def write(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> None:
+    def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
         self._check(peer)
         n = self._writes[peer] = self._writes.get(peer, 0) + 1
         limit = self.plan.lose_peer_after_writes.get(peer)
         if limit is not None and n >= limit:
             self.lose_peer(peer)
             self._check(peer)
+        fail = bool(self._fail_writes) or self._rng.random() < self.plan.write_failure_rate
+        if fail:
+            self._fail_writes = max(0, self._fail_writes - 1)
         if self._stall_writes or self._rng.random() < self.plan.write_stall_rate:
             delay = self._stall_writes.pop(0) if self._stall_writes else self.plan.stall_seconds
             self.injected.writes_stalled += 1
-            await anyio.sleep(delay)
-        if self._fail_writes or self._rng.random() < self.plan.write_failure_rate:
-            self._fail_writes = max(0, self._fail_writes - 1)
+            return _Stalled(peer, mapping, nbytes, notify, delay, fail)
+        if fail:
             self.injected.writes_failed += 1
-            await anyio.lowlevel.checkpoint()
             raise TransferError(f"injected write failure to rank {peer}")
-        await self.inner.write(peer, mapping, nbytes, notify)
+        return self.inner.post(peer, mapping, nbytes, notify)
+
+    async def wait(self, pending: object) -> None:
+        if not isinstance(pending, _Stalled):
+            await self.inner.wait(pending)
+            return
+        await anyio.sleep(pending.delay)
+        self._check(pending.peer)
+        if pending.fail:
+            self.injected.writes_failed += 1
+            raise TransferError(f"injected write failure to rank {pending.peer} (after a stall)")
+        inner = self.inner.post(pending.peer, pending.mapping, pending.nbytes, pending.notify)
+        if inner is not None:
+            await self.inner.wait(inner)
 
     async def send(self, peer: int, msg: bytes) -> None:
         self._check(peer)

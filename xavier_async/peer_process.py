@@ -1,0 +1,198 @@
+"""Run an endpoint in a child process, driven over a pipe (tests, benchmark, demos).
+
+The child's caches are filled from a seed, so the parent can compute what every block
+must contain (:func:`pattern_caches`) and check the bytes it loaded, and the child can
+check what it loaded from the parent the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "int8": torch.int8, "uint8": torch.uint8}
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """A uniform test layout: ``layers`` caches of ``[num_slots, *block_shape]``."""
+
+    layers: int = 4
+    num_slots: int = 64
+    block_shape: tuple[int, ...] = (2, 16, 8, 64)
+    dtype: str = "bfloat16"
+
+    @property
+    def block_nbytes(self) -> int:
+        n = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        for d in self.block_shape:
+            n *= d
+        return n
+
+
+def pattern_caches(spec: LayoutSpec, rank: int, seed: int, device: str | torch.device = "cpu",
+                   ) -> dict[int, torch.Tensor]:
+    """Deterministic caches: random bytes from ``(seed, rank, layer)``."""
+    out = {}
+    for layer in range(spec.layers):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + rank * 1009 + layer)
+        raw = torch.randint(0, 256, (spec.num_slots, spec.block_nbytes), generator=g, dtype=torch.uint8)
+        out[layer] = raw.view(DTYPES[spec.dtype]).view(spec.num_slots, *spec.block_shape).to(device)
+    return out
+
+
+def zero_caches(spec: LayoutSpec, device: str | torch.device = "cpu") -> dict[int, torch.Tensor]:
+    return {layer: torch.zeros(spec.num_slots, *spec.block_shape, dtype=DTYPES[spec.dtype], device=device)
+            for layer in range(spec.layers)}
+
+
+def check_loaded(caches: Mapping[int, torch.Tensor], request: Mapping[int, Any],
+                 expected: Mapping[int, Mapping[int, torch.Tensor]]) -> int:
+    """Compare loaded slots byte for byte with the sources' caches (keys = source slots).
+    Returns the number of blocks checked; raises AssertionError on the first mismatch."""
+    n = 0
+    for src, layers in request.items():
+        for layer, blocks in layers.items():
+            for key, slots in blocks.items():
+                want = expected[src][layer][int(key)].cpu().view(torch.uint8)
+                for slot in (slots if isinstance(slots, (list, tuple)) else [slots]):
+                    got = caches[layer][slot].cpu().view(torch.uint8)
+                    if not torch.equal(got, want):
+                        raise AssertionError(f"block {key!r} from rank {src} layer {layer} "
+                                             f"differs in slot {slot}")
+                    n += 1
+    return n
+
+
+@dataclass
+class PeerSpec:
+    rank: int
+    layout: LayoutSpec = field(default_factory=LayoutSpec)
+    seed: int = 0
+    device: str = "cpu"
+    config: dict[str, Any] = field(default_factory=dict)
+    transport: dict[str, Any] = field(default_factory=dict)
+    cuda_visible: str | None = None
+
+
+def _child(conn: Any, spec_d: dict[str, Any]) -> None:
+    spec = PeerSpec(**{**spec_d, "layout": LayoutSpec(**spec_d["layout"])})
+    import anyio
+
+    from . import Endpoint, EndpointConfig
+    from .transports.nixl import NixlTransport
+
+    async def main() -> None:
+        caches = pattern_caches(spec.layout, spec.rank, spec.seed, spec.device)
+        ep = Endpoint(spec.rank, caches, NixlTransport(**spec.transport), EndpointConfig(**spec.config))
+        async with ep:
+            for slot in range(spec.layout.num_slots):
+                ep.publish(slot, slot)
+            conn.send(("ok", ep.address))
+            while True:
+                cmd, arg = await anyio.to_thread.run_sync(conn.recv)
+                try:
+                    if cmd == "close":
+                        break
+                    elif cmd == "connect":
+                        res: Any = await ep.connect(arg)
+                    elif cmd == "load":
+                        request, src_seed = arg
+                        for layer in caches:
+                            caches[layer].zero_()
+                        r = await ep.load(request)
+                        expected = {src: pattern_caches(spec.layout, src, src_seed) for src in request}
+                        res = (asdict(r), check_loaded(caches, request, expected))
+                    elif cmd == "metrics":
+                        res = ep.snapshot_metrics()
+                    else:
+                        raise ValueError(f"unknown command {cmd!r}")
+                    conn.send(("ok", res))
+                except Exception as exc:
+                    conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        conn.send(("ok", "closed"))
+
+    try:
+        anyio.run(main)
+    except Exception as exc:
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        except Exception:
+            pass
+
+
+class PeerProcess:
+    """A child process holding one NIXL endpoint. Blocking calls; use from a thread or
+    with ``anyio.to_thread.run_sync`` inside async code."""
+
+    def __init__(self, spec: PeerSpec, start_timeout: float = 60.0) -> None:
+        mine, theirs = socket.socketpair()
+        self.spec = spec
+        env = dict(os.environ)
+        if spec.cuda_visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "xavier_async.peer_process", str(theirs.fileno()),
+             json.dumps(asdict(spec))], pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        self._conn = Connection(mine.detach())
+        try:
+            self.address: str = self._reply(start_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _reply(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"peer process (rank {self.spec.rank}) exited with {self.proc.returncode}")
+            raise TimeoutError(f"peer process (rank {self.spec.rank}) did not answer in {timeout} s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer process (rank {self.spec.rank}) failed: {value}")
+        return value
+
+    def call(self, cmd: str, arg: Any = None, timeout: float = 60.0) -> Any:
+        self._conn.send((cmd, arg))
+        return self._reply(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: the peer dies without closing anything."""
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("close", timeout=timeout)
+            except Exception:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._conn.close()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    _child(Connection(int(sys.argv[1])), json.loads(sys.argv[2]))
