@@ -178,7 +178,10 @@ class Endpoint:
                         tb: TracebackType | None) -> bool | None:
         await self.aclose()
         assert self._stack is not None
-        return await self._stack.__aexit__(et, exc, tb)
+        # The body's exception is not fed to our task group: it would come out wrapped in
+        # an ExceptionGroup. aclose() has already stopped the background tasks.
+        await self._stack.__aexit__(None, None, None)
+        return None
 
     async def _shutdown_tasks(self) -> None:
         assert self._tg is not None
@@ -467,7 +470,7 @@ class Endpoint:
                 if payload > self.config.full_bytes:
                     raise InvalidRequestError(f"batch of {payload} B exceeds the full slab")
                 async with self._send_lock:
-                    plan = await ch.prepare(payload)
+                    plan = await ch.prepare(payload, sum(seg.nbytes for seg in segments))
                     self._pack(segments, slot_lists)
                     await ch.write(plan, codec.encode(codec.LANDED, [req_id, plan.wire_bytes]))
             except XavierError as exc:

@@ -32,6 +32,8 @@ class LayoutSpec:
     num_slots: int = 64
     block_shape: tuple[int, ...] = (2, 16, 8, 64)
     dtype: str = "bfloat16"
+    #: layer 0 starts with all 65,536 BF16 bit patterns (needs dtype bfloat16)
+    all_bf16_patterns: bool = False
 
     @property
     def block_nbytes(self) -> int:
@@ -48,8 +50,19 @@ def pattern_caches(spec: LayoutSpec, rank: int, seed: int, device: str | torch.d
     for layer in range(spec.layers):
         g = torch.Generator().manual_seed(seed * 1_000_003 + rank * 1009 + layer)
         raw = torch.randint(0, 256, (spec.num_slots, spec.block_nbytes), generator=g, dtype=torch.uint8)
-        out[layer] = raw.view(DTYPES[spec.dtype]).view(spec.num_slots, *spec.block_shape).to(device)
+        cache = raw.view(DTYPES[spec.dtype]).view(spec.num_slots, *spec.block_shape)
+        if layer == 0 and spec.all_bf16_patterns:
+            flat = cache.view(-1)
+            if spec.dtype != "bfloat16" or flat.numel() < 65536:
+                raise ValueError("all_bf16_patterns needs a bfloat16 layer of >= 65536 elements")
+            flat[:65536].copy_(all_bf16_patterns())
+        out[layer] = cache.to(device)
     return out
+
+
+def all_bf16_patterns() -> torch.Tensor:
+    """The 65,536 BF16 values, one per bit pattern, in pattern order."""
+    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 
 
 def zero_caches(spec: LayoutSpec, device: str | torch.device = "cpu") -> dict[int, torch.Tensor]:
@@ -73,6 +86,15 @@ def check_loaded(caches: Mapping[int, torch.Tensor], request: Mapping[int, Any],
                                              f"differs in slot {slot}")
                     n += 1
     return n
+
+
+def zero_slots(caches: Mapping[int, torch.Tensor], request: Mapping[int, Any]) -> None:
+    """Zero the destination slots of a request (so a check cannot pass on stale bytes)."""
+    for layers in request.values():
+        for layer, blocks in layers.items():
+            for slots in blocks.values():
+                for slot in (slots if isinstance(slots, (list, tuple)) else [slots]):
+                    caches[layer][slot].zero_()
 
 
 @dataclass
@@ -109,8 +131,7 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                         res: Any = await ep.connect(arg)
                     elif cmd == "load":
                         request, src_seed = arg
-                        for layer in caches:
-                            caches[layer].zero_()
+                        zero_slots(caches, request)
                         r = await ep.load(request)
                         expected = {src: pattern_caches(spec.layout, src, src_seed) for src in request}
                         res = (asdict(r), check_loaded(caches, request, expected))

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import SocketStream, TaskGroup
 
-from ..errors import (HandshakeError, InvalidRequestError, PeerLostError, TransferError,
+from ..errors import (HandshakeError, InvalidRequestError, LayoutMismatchError, PeerLostError, TransferError,
                       UnknownPeerError, XavierError)
 from .base import Transport
 
@@ -68,6 +68,16 @@ async def _recv_frame(stream: SocketStream, buf: bytearray) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise HandshakeError("malformed handshake frame")
     return obj
+
+
+def _refusal(exc: XavierError) -> dict[str, Any]:
+    kind = "layout" if isinstance(exc, LayoutMismatchError) else "handshake"
+    return {"error": str(exc), "kind": kind}
+
+
+def _raise_refusal(frame: dict[str, Any]) -> None:
+    cls = LayoutMismatchError if frame.get("kind") == "layout" else HandshakeError
+    raise cls(f"peer refused the handshake: {frame['error']}")
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -234,7 +244,7 @@ class NixlTransport(Transport):
     def _check(self, frame: dict[str, Any]) -> None:
         assert self._host is not None
         if "error" in frame:
-            raise HandshakeError(f"peer refused the handshake: {frame['error']}")
+            _raise_refusal(frame)
         try:
             hello = frame["hello"]
             frame["agent"], frame["meta"], frame["recv_ptr"]
@@ -276,13 +286,13 @@ class NixlTransport(Transport):
                     peer = self._add_peer(frame, stream)
                 except XavierError as exc:
                     if "error" not in frame:
-                        await _send_frame(stream, {"error": str(exc)})
+                        await _send_frame(stream, _refusal(exc))
                     raise
                 await _send_frame(stream, {"ok": True})
                 ack = await _recv_frame(stream, buf)
                 if "error" in ack:
                     self._drop(peer.rank)
-                    raise HandshakeError(f"peer refused the handshake: {ack['error']}")
+                    _raise_refusal(ack)
         except BaseException as exc:
             await stream.aclose()
             if isinstance(exc, (TimeoutError, OSError, anyio.EndOfStream, anyio.BrokenResourceError)):
@@ -310,7 +320,7 @@ class NixlTransport(Transport):
                 try:
                     self._check(frame)
                 except XavierError as exc:
-                    await _send_frame(stream, {"error": str(exc)})
+                    await _send_frame(stream, _refusal(exc))
                     await stream.aclose()
                     return
                 await _send_frame(stream, self._my_hello())
@@ -321,7 +331,7 @@ class NixlTransport(Transport):
                 try:
                     peer = self._add_peer(frame, stream)
                 except XavierError as exc:
-                    await _send_frame(stream, {"error": str(exc)})
+                    await _send_frame(stream, _refusal(exc))
                     await stream.aclose()
                     return
                 await _send_frame(stream, {"ok": True})
