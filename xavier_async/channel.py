@@ -31,6 +31,8 @@ class CopyPlan:
     view_bytes: int
     wire_bytes: int
     mapping: object
+    #: block bytes in the payload (the payload minus alignment gaps between segments)
+    useful: int = -1
 
 
 class PeerChannel:
@@ -86,7 +88,7 @@ class PeerChannel:
                     self.metrics.registrations += 1
                     return m
 
-    async def prepare(self, payload: int) -> CopyPlan:
+    async def prepare(self, payload: int, useful: int | None = None) -> CopyPlan:
         """Choose the view for a batch, make sure it is mapped, then commit the choice.
 
         The machine only advances once the mapping exists, so a failed registration leaves
@@ -99,7 +101,8 @@ class PeerChannel:
         chosen = self.policy.select(payload)
         assert chosen == view_bytes
         wire = min(view_bytes, align_up(payload, self.trim_align)) if self.trimmed else view_bytes
-        return CopyPlan(payload, view_bytes, wire, mapping)
+        return CopyPlan(payload, view_bytes, wire, mapping,
+                        payload if useful is None else useful)
 
     async def write(self, plan: CopyPlan, notify: bytes | None) -> None:
         """Start the copy and wait, shielded, for its terminal state."""
@@ -120,7 +123,7 @@ class PeerChannel:
             await self.reset()
             raise TransferError(f"copy to rank {self.peer} failed: {exc}") from exc
         m.batches_sent += 1
-        m.useful_bytes += plan.payload
+        m.useful_bytes += plan.useful if plan.useful >= 0 else plan.payload
         m.wire_bytes += plan.wire_bytes
         if plan.view_bytes == self.policy.small_bytes and plan.view_bytes != self.policy.full_bytes:
             m.copies_small += 1

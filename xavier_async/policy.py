@@ -90,7 +90,9 @@ def _check_streak(streak: int) -> None:
 
 def check_size(name: str, value: object, *, minimum: int = 1) -> int:
     """Validate a byte count/budget: an int (not bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+    if not isinstance(value, int):
         try:
             value = operator.index(value)  # numpy / torch integer scalars
         except TypeError:

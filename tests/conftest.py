@@ -1,0 +1,119 @@
+"""Shared helpers for the core test suite: caches with known bytes and in-process clusters.
+
+Endpoints own an anyio task group, so they are opened inside the test's own task with the
+:func:`cluster` async context manager rather than with async fixtures (pytest-asyncio may
+run a fixture's setup and teardown in different tasks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import torch
+
+from xavier_async import (Endpoint, EndpointConfig, FaultPlan, FaultyTransport, LocalFabric,
+                          LocalTransport, Transport)
+
+KiB = 1024
+
+#: a small slab keeps tests fast and makes multi-batch loads cheap to provoke
+SMALL_CFG = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB)
+
+
+def random_cache(num_slots: int, block_shape: Sequence[int], dtype: torch.dtype,
+                 seed: int) -> torch.Tensor:
+    """A contiguous cache ``[num_slots, *block_shape]`` of ``dtype`` filled with random bytes
+    (any bit pattern, NaNs included for floats)."""
+    g = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = num_slots * itemsize
+    for d in block_shape:
+        n *= d
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).view(num_slots, *block_shape).clone()
+
+
+def zero_cache(num_slots: int, block_shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros((num_slots, *block_shape), dtype=dtype)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor (for bit-exact comparisons of any dtype, NaNs included)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    a, e = raw(actual), raw(expected)
+    if not torch.equal(a, e):
+        bad = (a != e).nonzero().flatten()
+        raise AssertionError(f"{bad.numel()} of {a.numel()} bytes differ, first at byte {int(bad[0])}")
+
+
+def snapshot(caches: Mapping[object, torch.Tensor]) -> dict[object, torch.Tensor]:
+    return {layer: t.clone() for layer, t in caches.items()}
+
+
+def assert_caches_unchanged(caches: Mapping[object, torch.Tensor],
+                            before: Mapping[object, torch.Tensor]) -> None:
+    for layer, t in caches.items():
+        assert_same_bytes(t, before[layer])
+
+
+class CountingTransport(LocalTransport):
+    """A local transport that counts view mappings (``map_view`` calls that succeeded) and
+    can make each mapping slow, to widen race windows."""
+
+    def __init__(self, fabric: LocalFabric, map_delay: float = 0.0) -> None:
+        super().__init__(fabric)
+        self.map_calls = 0
+        self.map_done = 0
+        self.map_delay = map_delay
+        self.writes = 0
+
+    async def map_view(self, peer, view):  # type: ignore[override]
+        import anyio
+        self.map_calls += 1
+        if self.map_delay:
+            await anyio.sleep(self.map_delay)
+        m = await super().map_view(peer, view)
+        self.map_done += 1
+        return m
+
+    def post(self, peer, mapping, nbytes, notify):  # type: ignore[override]
+        self.writes += 1
+        return super().post(peer, mapping, nbytes, notify)
+
+
+Wrap = Callable[[LocalFabric], Transport]
+
+
+def faulty(seed: int = 0, **plan: object) -> Wrap:
+    """A ``wrap`` entry for :func:`cluster`: a FaultyTransport around a local one."""
+    return lambda fabric: FaultyTransport(LocalTransport(fabric), FaultPlan(seed=seed, **plan))
+
+
+def counting(map_delay: float = 0.0) -> Wrap:
+    return lambda fabric: CountingTransport(fabric, map_delay)
+
+
+@asynccontextmanager
+async def cluster(caches: Sequence[Mapping[object, torch.Tensor]],
+                  config: EndpointConfig | Sequence[EndpointConfig] = SMALL_CFG, *,
+                  wrap: Mapping[int, Wrap] | None = None,
+                  connect: bool = True) -> AsyncIterator[list[Endpoint]]:
+    """Open one endpoint per cache dict (rank = index) on one local fabric and connect
+    every pair. ``wrap[rank]`` builds that endpoint's transport."""
+    fabric = LocalFabric()
+    configs = [config] * len(caches) if isinstance(config, EndpointConfig) else list(config)
+    async with AsyncExitStack() as stack:
+        eps = []
+        for rank, c in enumerate(caches):
+            t = (wrap or {}).get(rank, LocalTransport)(fabric)
+            eps.append(await stack.enter_async_context(Endpoint(rank, c, t, configs[rank])))
+        if connect:
+            for i in range(len(eps)):
+                for j in range(i + 1, len(eps)):
+                    await eps[i].connect(eps[j].address)
+        yield eps
