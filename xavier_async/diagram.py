@@ -34,6 +34,8 @@ _EVENT_TEXT = {
     LARGE_BATCH: "large batch",
 }
 _VIEW_TEXT = {FULL: "full slab", SMALL: "small view"}
+# more room between states than Mermaid's default, so self-loop labels do not overlap
+_LAYOUT = '%%{init: {"state": {"nodeSpacing": 60, "rankSpacing": 120}}}%%'
 
 
 def machine_edges(streak: int = DEFAULT_STREAK) -> list[tuple[str, str, str]]:
@@ -56,7 +58,7 @@ def state_diagram(streak: int = DEFAULT_STREAK) -> str:
     copy through the small view are highlighted.
     """
     machine = build_machine(streak)
-    lines = ["stateDiagram-v2", "    direction LR", f"    [*] --> {machine.initial}"]
+    lines = [_LAYOUT, "stateDiagram-v2", "    direction LR", f"    [*] --> {machine.initial}"]
     for src, event, dest in machine_edges(streak):
         lines.append(f"    {src} --> {dest} : {event} / {state_view(dest)} view")
     small_states = [s for s in machine.states if state_view(s) == SMALL]

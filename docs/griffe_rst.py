@@ -1,0 +1,70 @@
+"""A griffe extension for the API pages: render the library's reST-flavoured docstrings
+as Markdown without touching the source.
+
+- ``:class:`Name``` (and ``:func:``, ``:meth:``, ``:mod:``, ``:attr:``, ``:exc:``) become
+  code spans that link to the object when it is documented (optional autorefs: no
+  warning, just no link, when it is not);
+- ``>>>`` doctest paragraphs become ``pycon`` code blocks;
+- a paragraph ending in ``::`` ends in ``:`` (its indented block is already Markdown code).
+
+Configured in mkdocs.yml under the mkdocstrings python handler's ``extensions``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import griffe
+
+_ROLE = re.compile(r":(?:py:)?(class|func|meth|mod|attr|exc|data|obj):`~?([^`<>]+?)`")
+
+
+def _link(obj: griffe.Object, target: str) -> str:
+    text = target.rsplit(".", 1)[-1] if "." in target else target
+    shown = f"<code>{text}</code>"
+    path = target
+    try:
+        path = obj.resolve(target.split(".", 1)[0])
+        if "." in target:
+            path = path + "." + target.split(".", 1)[1]
+    except Exception:  # not in scope: try as given (may be fully qualified)
+        pass
+    return f'<autoref identifier="{path}" optional>{shown}</autoref>'
+
+
+def _doctest_blocks(text: str) -> str:
+    out: list[str] = []
+    lines = text.splitlines()
+    i = 0
+    in_fence = False
+    while i < len(lines):
+        line = lines[i]
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        if not in_fence and line.lstrip().startswith(">>>") and not line.startswith("    "):
+            indent = line[: len(line) - len(line.lstrip())]
+            block = []
+            while i < len(lines) and lines[i].strip():
+                block.append(lines[i])
+                i += 1
+            out.append(f"{indent}```pycon")
+            out.extend(block)
+            out.append(f"{indent}```")
+            continue
+        out.append(line)
+        i += 1
+    return "\n".join(out)
+
+
+class RstToMarkdown(griffe.Extension):
+    """Rewrite docstrings in place as they are loaded."""
+
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:  # noqa: D102
+        doc = obj.docstring
+        if doc is None:
+            return
+        text = _doctest_blocks(doc.value)
+        text = _ROLE.sub(lambda m: _link(obj, m.group(2)), text)
+        text = re.sub(r"(\S)::\n", r"\1:\n", text)
+        doc.value = text
