@@ -5,7 +5,9 @@ as Markdown without touching the source.
   code spans that link to the object when it is documented (optional autorefs: no
   warning, just no link, when it is not);
 - ``>>>`` doctest paragraphs become ``pycon`` code blocks;
-- a paragraph ending in ``::`` ends in ``:`` (its indented block is already Markdown code).
+- a paragraph ending in ``::`` ends in ``:`` (its indented block is already Markdown code);
+- a method without a docstring that overrides a documented one (a transport implementing
+  :class:`Transport`) shows the base class's docstring.
 
 Configured in mkdocs.yml under the mkdocstrings python handler's ``extensions``.
 """
@@ -57,14 +59,41 @@ def _doctest_blocks(text: str) -> str:
     return "\n".join(out)
 
 
+def _convert(obj: griffe.Object, text: str) -> str:
+    text = _doctest_blocks(text)
+    text = _ROLE.sub(lambda m: _link(obj, m.group(2)), text)
+    return re.sub(r"(\S)::\n", r"\1:\n", text)
+
+
+def _classes(obj: griffe.Object) -> Any:
+    for member in obj.members.values():
+        if member.is_alias:
+            continue
+        if member.is_class:
+            yield member
+        if member.is_module or member.is_class:
+            yield from _classes(member)
+
+
 class RstToMarkdown(griffe.Extension):
     """Rewrite docstrings in place as they are loaded."""
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:  # noqa: D102
-        doc = obj.docstring
-        if doc is None:
-            return
-        text = _doctest_blocks(doc.value)
-        text = _ROLE.sub(lambda m: _link(obj, m.group(2)), text)
-        text = re.sub(r"(\S)::\n", r"\1:\n", text)
-        doc.value = text
+        if obj.docstring is not None:
+            obj.docstring.value = _convert(obj, obj.docstring.value)
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:  # noqa: D102
+        for cls in _classes(pkg):
+            try:
+                mro = cls.mro()
+            except Exception:  # a base outside the loaded packages
+                continue
+            for name, member in cls.members.items():
+                if member.is_alias or not member.is_function or member.docstring is not None:
+                    continue
+                for base in mro:
+                    inherited = base.members.get(name)
+                    if inherited is not None and not inherited.is_alias and inherited.docstring:
+                        member.docstring = griffe.Docstring(
+                            inherited.docstring.value, parent=member)
+                        break

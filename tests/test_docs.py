@@ -181,12 +181,16 @@ def test_pycon_blocks_on_the_pages_pass(page):
 
 
 def test_pages_name_only_tests_and_files_that_exist():
+    """Every `tests/...py` / `examples/...py` (and `::test_name`) named on a page exists."""
     missing = []
     for page in sorted(DOCS.glob("*.md")):
         text = page.read_text(encoding="utf-8")
-        for ref in sorted(set(re.findall(r"(?:tests|examples)/[\w/]+\.py", text))):
-            if not (ROOT / ref).exists():
+        for ref, name in sorted(set(re.findall(r"((?:tests|examples)/[\w/]+\.py)(?:::(\w+))?", text))):
+            path = ROOT / ref
+            if not path.exists():
                 missing.append(f"{page.name}: {ref}")
+            elif name and not re.search(rf"^(async )?def {name}\(", path.read_text(encoding="utf-8"), re.M):
+                missing.append(f"{page.name}: {ref}::{name}")
     assert not missing, missing
 
 

@@ -31,6 +31,7 @@ class PeerMetrics:
     load_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
+        """The counters as a plain ``{name: value}`` dict."""
         return asdict(self)
 
 
@@ -43,6 +44,7 @@ class EndpointMetrics:
     peers: dict[int, PeerMetrics] = field(default_factory=dict)
 
     def peer(self, rank: int) -> PeerMetrics:
+        """The counters for ``rank``, created on first use."""
         m = self.peers.get(rank)
         if m is None:
             m = self.peers[rank] = PeerMetrics()
@@ -62,6 +64,7 @@ class EndpointMetrics:
         return self.memory_registrations + self.total().registrations
 
     def as_dict(self) -> dict[str, object]:
+        """Everything as plain dicts: endpoint counters, the per-peer sum, each peer."""
         return {
             "memory_registrations": self.memory_registrations,
             "registrations": self.registrations,

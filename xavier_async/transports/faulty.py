@@ -43,6 +43,8 @@ class FaultPlan:
 
 @dataclass
 class FaultCounts:
+    """What a :class:`FaultyTransport` has injected so far (``transport.injected``)."""
+
     registrations_failed: int = 0
     writes_failed: int = 0
     writes_stalled: int = 0
