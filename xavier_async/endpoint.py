@@ -35,9 +35,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from . import codec
 from .channel import PeerChannel
 from .errors import (EndpointClosedError, HandshakeError, InvalidRequestError, PeerLostError,
-                     RemoteError, TransferError, UnknownPeerError, XavierError)
+                     RegistrationError, RemoteError, TransferError, UnknownPeerError,
+                     XavierError)
 from .layout import BlockKey, CacheLayout, LayerId, check_key, check_layer_id, check_slot
 from .metrics import EndpointMetrics
+from .packing import gather, scatter
 from .planning import Batch, LoadRequest, normalize, plan_batches, segments_from_wire
 from .policy import DEFAULT_STREAK, ChannelPolicy, check_size
 from .retry import RetryPolicy
@@ -93,6 +95,29 @@ class LoadResult:
     blocks: int
     useful_bytes: int
     wire_bytes: int
+
+
+async def _wait_held(event: anyio.Event, timeout: float | None = None) -> BaseException | None:
+    """Wait for ``event`` (at most ``timeout`` s); call it inside a shielded scope.
+
+    anyio's shield holds back anyio cancellation but not a native ``asyncio`` ``Task.cancel()``.
+    Such a cancellation is caught here and the wait goes on; it is returned so the caller
+    re-raises it once the copy is terminal."""
+    held: BaseException | None = None
+    deadline = None if timeout is None else anyio.current_time() + timeout
+    while not event.is_set():
+        try:
+            if deadline is None:
+                await event.wait()
+            else:
+                remaining = deadline - anyio.current_time()
+                if remaining <= 0:
+                    break
+                with anyio.move_on_after(remaining):
+                    await event.wait()
+        except anyio.get_cancelled_exc_class() as exc:  # only a native one gets through the shield
+            held = exc
+    return held
 
 
 class _Waiter:
@@ -161,7 +186,10 @@ class Endpoint:
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
-            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            outer = await stack.enter_async_context(anyio.create_task_group())
+            # Background work runs in a task group hosted by a task of its own, so that
+            # stopping it (aclose) never cancels the caller's code inside `async with`.
+            self._tg = await outer.start(self._host_background)
             send, recv = anyio.create_memory_object_stream[tuple[int, Any]](max_buffer_size=1 << 16)
             self._inbox = send
             stack.push_async_callback(self._shutdown_tasks)
@@ -183,6 +211,12 @@ class Endpoint:
         await self._stack.__aexit__(None, None, None)
         return None
 
+    @staticmethod
+    async def _host_background(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            task_status.started(tg)
+            await anyio.sleep_forever()
+
     async def _shutdown_tasks(self) -> None:
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
@@ -196,14 +230,17 @@ class Endpoint:
             return
         if self._state in ("closing", "closed"):
             with anyio.CancelScope(shield=True):
-                await self._closed.wait()
+                held = await _wait_held(self._closed)
+            if held is not None:
+                raise held
             return
         self._state = "closing"
+        held = None
         with anyio.CancelScope(shield=True):
             try:
                 if self._inflight:
                     self._idle = anyio.Event()
-                    await self._idle.wait()
+                    held = await _wait_held(self._idle)
                 for w in list(self._pending.values()):
                     w.fail(EndpointClosedError("endpoint closed"))
                 await self.transport.aclose()
@@ -215,6 +252,8 @@ class Endpoint:
                 self._closed.set()
                 if self._tg is not None:
                     self._tg.cancel_scope.cancel()
+        if held is not None:
+            raise held
 
     @property
     def closed(self) -> bool:
@@ -259,6 +298,21 @@ class Endpoint:
         ch = self._channels.get(peer)
         if ch is None:
             raise UnknownPeerError(f"rank {peer} is not connected to rank {self.rank}")
+        return ch
+
+    def tune_channel(self, peer: int, *, streak: int | None = None,
+                     trimmed: bool | None = None) -> PeerChannel:
+        """Change one peer's streak length and/or trimmed mode (the machine restarts in
+        ``full``; mappings are kept). Other peers keep the endpoint's config."""
+        ch = self.channel(peer)
+        if streak is not None:
+            p = ch.policy
+            ch.policy = ChannelPolicy(p.full_bytes, p.small_bytes, streak)
+        if trimmed is not None:
+            if not isinstance(trimmed, bool):
+                raise InvalidRequestError(f"trimmed must be a bool, got {trimmed!r}")
+            ch.trimmed = trimmed
+        ch.policy.reset()
         return ch
 
     def policy(self, peer: int) -> ChannelPolicy:
@@ -323,7 +377,8 @@ class Endpoint:
             w.event.set()
         elif tag == codec.ERROR:
             kind, text = body[1], body[2]
-            cls = {"transfer": TransferError, "lost": PeerLostError}.get(kind, RemoteError)
+            cls = {"transfer": TransferError, "lost": PeerLostError,
+                   "registration": RegistrationError}.get(kind, RemoteError)
             w.fail(cls(f"rank {peer}: {text}"))
 
     def peer_lost(self, peer: int, exc: BaseException) -> None:
@@ -395,6 +450,7 @@ class Endpoint:
         async with self._recv_lock:
             req_id = next(self._ids)
             waiter = self._pending[req_id] = _Waiter(src)
+            held: BaseException | None = None  # a native cancellation, re-raised afterwards
             try:
                 with anyio.CancelScope(shield=True):
                     # from the first byte of the request on, the copy is "started": it is
@@ -403,15 +459,21 @@ class Endpoint:
                         await self.transport.send(src, codec.encode(codec.LOAD, [req_id, batch.wire()]))
                     except XavierError as exc:
                         waiter.fail(exc)
-                    with anyio.move_on_after(self.config.request_timeout):
-                        await waiter.event.wait()
-                if not waiter.event.is_set():
-                    exc = PeerLostError(
-                        f"rank {src} did not complete a copy within {self.config.request_timeout} s")
-                    self.peer_lost(src, exc)
-                    raise exc
+                    except anyio.get_cancelled_exc_class() as exc:  # native, through the shield
+                        held = exc
+                    held = await _wait_held(waiter.event, self.config.request_timeout) or held
+                    if not waiter.event.is_set():
+                        exc = PeerLostError(
+                            f"rank {src} did not complete a copy within {self.config.request_timeout} s")
+                        self.peer_lost(src, exc)
+                        # cut the source off before the receive slab is reused: its copy
+                        # may still be under way
+                        await self._forget(src)
+                        raise held or exc
             finally:
                 del self._pending[req_id]
+            if held is not None:
+                raise held
             if waiter.error is not None:
                 m.load_errors += 1
                 raise waiter.error
@@ -424,21 +486,7 @@ class Endpoint:
 
     def _unpack(self, batch: Batch) -> None:
         assert self.recv_slab is not None
-        buf = self.recv_slab.tensor
-        dev = self.layout.device
-        for seg in batch.segments:
-            spec = self.layout.layers[seg.layer]
-            src = buf[seg.offset:seg.offset + seg.nbytes].view(spec.dtype).view(
-                len(seg.keys), *spec.block_shape)
-            dst = [s for slots in seg.slots for s in slots]
-            idx = torch.tensor(dst, dtype=torch.long, device=dev)
-            if len(dst) != len(seg.keys):  # one key feeds several slots
-                rows = torch.tensor([i for i, slots in enumerate(seg.slots) for _ in slots],
-                                    dtype=torch.long, device=dev)
-                src = src.index_select(0, rows)
-            self.caches[seg.layer].index_copy_(0, idx, src)
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
+        scatter(self.recv_slab.tensor, batch.segments, self.caches, self.layout)
 
     # -- serving (source side) ------------------------------------------------------------
     async def _serve_loop(self, inbox: MemoryObjectReceiveStream[tuple[int, Any]]) -> None:
@@ -475,7 +523,8 @@ class Endpoint:
                     await ch.write(plan, codec.encode(codec.LANDED, [req_id, plan.wire_bytes]))
             except XavierError as exc:
                 kind = ("lost" if isinstance(exc, PeerLostError) else
-                        "transfer" if isinstance(exc, TransferError) else "refused")
+                        "transfer" if isinstance(exc, TransferError) else
+                        "registration" if isinstance(exc, RegistrationError) else "refused")
                 try:
                     await self.transport.send(peer, codec.encode(codec.ERROR, [req_id, kind, str(exc)]))
                 except XavierError:
@@ -485,16 +534,7 @@ class Endpoint:
 
     def _pack(self, segments: list[Any], slot_lists: list[list[int]]) -> None:
         assert self.send_slab is not None
-        buf = self.send_slab.tensor
-        dev = self.layout.device
-        for seg, slots in zip(segments, slot_lists):
-            spec = self.layout.layers[seg.layer]
-            out = buf[seg.offset:seg.offset + seg.nbytes].view(spec.dtype).view(
-                len(slots), *spec.block_shape)
-            torch.index_select(self.caches[seg.layer], 0,
-                               torch.tensor(slots, dtype=torch.long, device=dev), out=out)
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
+        gather(self.send_slab.tensor, segments, slot_lists, self.caches, self.layout)
 
     # -- diagnostics --------------------------------------------------------------------
     async def copy_raw(self, peer: int, nbytes: int) -> int:
@@ -512,7 +552,9 @@ class Endpoint:
             async with self._send_lock:
                 plan = await ch.prepare(nbytes)
                 await ch.write(plan, None)
-                return plan.view_bytes
+            # a cancellation that arrived during the (shielded) copy surfaces now
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return plan.view_bytes
         finally:
             self._leave_work()
 

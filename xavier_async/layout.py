@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Union
@@ -25,8 +26,9 @@ class LayerSpec:
     dtype: torch.dtype
     num_slots: int
 
-    @property
+    @functools.cached_property
     def block_nbytes(self) -> int:
+        """Bytes of one block (computed once)."""
         n = torch.empty((), dtype=self.dtype).element_size()
         for d in self.block_shape:
             n *= d

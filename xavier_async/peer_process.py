@@ -88,6 +88,12 @@ def check_loaded(caches: Mapping[int, torch.Tensor], request: Mapping[int, Any],
     return n
 
 
+def digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (copied to the host)."""
+    import hashlib
+    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def zero_slots(caches: Mapping[int, torch.Tensor], request: Mapping[int, Any]) -> None:
     """Zero the destination slots of a request (so a check cannot pass on stale bytes)."""
     for layers in request.values():
@@ -106,6 +112,8 @@ class PeerSpec:
     config: dict[str, Any] = field(default_factory=dict)
     transport: dict[str, Any] = field(default_factory=dict)
     cuda_visible: str | None = None
+    #: torch intra-op threads in the child (1 avoids oversubscribing small CPU machines)
+    torch_threads: int | None = None
 
 
 def _child(conn: Any, spec_d: dict[str, Any]) -> None:
@@ -114,6 +122,9 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
 
     from . import Endpoint, EndpointConfig
     from .transports.nixl import NixlTransport
+
+    if spec.torch_threads is not None:
+        torch.set_num_threads(spec.torch_threads)
 
     async def main() -> None:
         caches = pattern_caches(spec.layout, spec.rank, spec.seed, spec.device)
@@ -135,6 +146,9 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                         r = await ep.load(request)
                         expected = {src: pattern_caches(spec.layout, src, src_seed) for src in request}
                         res = (asdict(r), check_loaded(caches, request, expected))
+                    elif cmd == "recv_digest":
+                        assert ep.recv_slab is not None
+                        res = digest(ep.recv_slab.tensor[:arg])
                     elif cmd == "metrics":
                         res = ep.snapshot_metrics()
                     else:

@@ -510,6 +510,7 @@ class NixlTransport(Transport):
         by_agent = self._by_agent
         deliver = host.deliver
         checkpoint, sleep, monotonic = anyio.lowlevel.checkpoint, anyio.sleep, time.monotonic
+        sched_yield = getattr(os, "sched_yield", lambda: None)
         while True:
             notifs = agent.get_new_notifs()
             if notifs:
@@ -522,6 +523,9 @@ class NixlTransport(Transport):
                         deliver(rank, msg)
                 await checkpoint()
             elif monotonic() - self._last_activity < self.hot_window:
+                # nothing yet: give the core to any other runnable process (often our peer,
+                # on a small machine) before polling again
+                sched_yield()
                 await checkpoint()
             else:
                 await sleep(self.idle_poll)

@@ -1,0 +1,103 @@
+"""`xavier-async bench --quick --json` over real NIXL: the JSON is complete and its byte and
+registration counts are consistent (timings are reported, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from xavier_async.bench import BenchOptions, bench_layout, make_trace, trace_payload
+from xavier_async.cli import build_parser
+
+pytest.importorskip("nixl")
+
+FULL, SMALL = 2 << 20, 64 << 10
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    cmd = [sys.executable, "-m", "xavier_async.cli", "bench", "--quick", "--full", "2MiB",
+           "--small", "64KiB", "--alloc-copies", "300", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Seed cases" in proc.stdout and "Targets" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def test_json_has_every_section_and_environment(report):
+    for key in ("options", "environment", "floor", "seed_cases", "e2e_loads", "trace", "decision",
+                "memory", "floor_after", "metrics", "peer_metrics", "targets"):
+        assert key in report, key
+    env = report["environment"]
+    assert env["transport"] == "nixl" and env["memory"] == "DRAM" and env["device"] == "cpu"
+    assert env["nixl"] and env["torch"]
+    for case in ("always_full", "alternating_size_only", "alternating_streak", "sustained_small"):
+        c = report["seed_cases"][case]
+        assert c["median_us"] > 0 and c["p95_us"] >= c["median_us"] and c["bytes_verified"]
+
+
+def test_seed_cases_bytes_and_registrations_are_consistent(report):
+    sc = report["seed_cases"]
+    n = report["options"]["copies"]
+    for case in ("always_full", "alternating_size_only", "alternating_streak", "sustained_small"):
+        assert sc[case]["registrations_after_warmup"] == 0
+        assert sc[case]["peer_registrations_after_warmup"] == 0
+    # padded copies: wire bytes are whole views
+    assert sc["always_full"]["wire_bytes"] == n * FULL
+    assert sc["sustained_small"]["wire_bytes"] == n * SMALL
+    assert sc["sustained_small"]["copies_small"] == n
+    half = n // 2
+    # size-only selection: every small payload goes through the small view
+    assert sc["alternating_size_only"]["copies_small"] == half
+    assert sc["alternating_size_only"]["wire_bytes"] == half * (FULL + SMALL)
+    # the streak machine keeps alternating traffic on the full slab
+    assert sc["alternating_streak"]["copies_small"] == 0
+    assert sc["alternating_streak"]["wire_bytes"] == 2 * half * FULL
+    assert report["targets"]["registrations_after_warmup"]["met"]
+
+
+def test_trace_bytes_are_consistent(report):
+    tr, o = report["trace"], report["options"]
+    layout = bench_layout(o["full_bytes"])
+    trace = make_trace(o["trace_batches"], o["trace_large"], layout, o["full_bytes"], o["small_bytes"],
+                       o["seed"])
+    useful = sum(trace_payload(b, layout) for b in trace)
+    assert tr["useful_bytes"] == useful and tr["batches"] == len(trace)
+    size_only = sum(o["small_bytes"] if trace_payload(b, layout) <= o["small_bytes"] else o["full_bytes"]
+                    for b in trace)
+    assert tr["padded_size_only"]["wire_bytes"] == size_only
+    assert tr["padded_streak"]["wire_bytes"] >= size_only
+    trimmed = tr["trimmed_streak"]
+    assert useful <= trimmed["wire_bytes"] <= useful + 256 * len(trace)
+    assert trimmed["wire_over_useful"] <= 1.02
+    for mode in ("padded_size_only", "padded_streak", "trimmed_streak"):
+        assert tr[mode]["registrations_after_warmup"] == 0 and tr[mode]["bytes_verified"]
+    assert report["e2e_loads"]["small"]["bytes_verified"] and report["e2e_loads"]["large"]["bytes_verified"]
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError):
+        BenchOptions(transport="tcp")
+    with pytest.raises(ValueError):
+        BenchOptions(small_bytes=2 << 20, full_bytes=1 << 20)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--full", "-3"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--full", "lots"])
+
+
+def test_local_transport_bench_runs_in_process():
+    """The in-process variant (memcpy floor) goes through the same sections."""
+    import anyio
+
+    from xavier_async.bench import run
+    o = BenchOptions(transport="local", full_bytes=FULL, small_bytes=SMALL, quick=True, copies=20,
+                     loads=10, trace_batches=30, trace_large=3, alloc_copies=60)
+    r = anyio.run(run, o)
+    assert r["environment"]["transport"] == "local" and r["floor"]["kind"] == "memcpy"
+    assert r["seed_cases"]["sustained_small"]["wire_bytes"] == 20 * SMALL
+    assert r["trace"]["trimmed_streak"]["wire_over_useful"] <= 1.02

@@ -1,0 +1,482 @@
+"""``xavier-async bench``: the figures a serving engineer needs, each against a floor
+measured in the same run.
+
+Two endpoints: this process (rank 0, the writer of channel copies and the loader of
+end-to-end loads) and a peer (rank 1) in a child process over NIXL (``--transport nixl``,
+the default) or in this process (``--transport local``). Sections:
+
+* floor: raw NIXL WRITE on the same registrations, one handle re-posted, busy-polled
+  (``local``: a torch copy between the two slabs);
+* the seed's four channel cases (always full, alternating under size-only selection,
+  alternating under the streak machine, sustained small);
+* end-to-end loads (request, pack, write, unpack, acknowledge), small and large;
+* a seeded replay of a serving trace shaped like the seed's deployment, padded under
+  size-only selection, padded under the streak machine, and trimmed;
+* the state-machine decision cost and memory growth over many copies.
+
+Times are medians (and p95) of per-operation wall time; every comparison is a ratio.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from . import __version__
+from .endpoint import Endpoint, EndpointConfig
+from .peer_process import LayoutSpec, PeerProcess, PeerSpec, check_loaded, digest, pattern_caches, \
+    zero_slots
+from .policy import ChannelPolicy
+from .slabs import KiB, MiB
+from .transports.local import LocalFabric
+
+PEER = 1
+SEED_CASES = ("always_full", "alternating_size_only", "alternating_streak", "sustained_small")
+TRACE_MODES = {  # name: (streak, trimmed)
+    "padded_size_only": (1, False),
+    "padded_streak": (2, False),
+    "trimmed_streak": (2, True),
+}
+
+
+@dataclass
+class BenchOptions:
+    """What to run. ``quick`` shrinks every count for CI."""
+
+    transport: str = "nixl"
+    device: str = "auto"
+    full_bytes: int = 12 * MiB
+    small_bytes: int = 256 * KiB
+    copies: int = 400
+    warmup: int = 30
+    loads: int = 300
+    trace_batches: int = 628
+    trace_large: int = 25
+    alloc_copies: int = 10_000
+    seed: int = 0
+    quick: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("nixl", "local"):
+            raise ValueError(f"transport must be 'nixl' or 'local', got {self.transport!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        for name in ("full_bytes", "small_bytes", "copies", "warmup", "loads", "trace_batches",
+                     "alloc_copies"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0 <= self.trace_large <= self.trace_batches:
+            raise ValueError("trace_large must be between 0 and trace_batches")
+        if self.small_bytes > self.full_bytes:
+            raise ValueError("small_bytes must not exceed full_bytes")
+        if self.quick:
+            self.copies, self.warmup, self.loads = min(self.copies, 60), min(self.warmup, 10), min(self.loads, 40)
+            self.trace_batches, self.trace_large = min(self.trace_batches, 126), min(self.trace_large, 5)
+            self.alloc_copies = min(self.alloc_copies, 1000)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+
+
+def stats(samples: Sequence[float]) -> dict[str, float]:
+    """Median, p95 and mean, in microseconds."""
+    s = sorted(samples)
+    p95 = s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
+    return {"median_us": statistics.median(s) * 1e6, "p95_us": p95 * 1e6,
+            "mean_us": statistics.fmean(s) * 1e6, "n": len(s)}
+
+
+# -- the serving-trace generator -----------------------------------------------------------
+@dataclass(frozen=True)
+class TraceBatch:
+    keys: int      # block hashes in the batch
+    layers: int    # layers per block hash
+    large: bool
+
+
+def bench_layout(full_bytes: int) -> LayoutSpec:
+    """24 layers of 8 KiB blocks (a Qwen2.5-0.5B-like KV block: 2 x 16 tokens x 2 heads x 64,
+    BF16), with enough slots for a full-slab batch plus as many destination slots."""
+    spec = LayoutSpec(layers=24, num_slots=2, block_shape=(2, 16, 2, 64), dtype="bfloat16")
+    keys_full = max(1, full_bytes // (spec.layers * spec.block_nbytes))
+    return LayoutSpec(layers=24, num_slots=2 * keys_full, block_shape=(2, 16, 2, 64), dtype="bfloat16")
+
+
+def make_trace(n: int, n_large: int, layout: LayoutSpec, full_bytes: int, small_bytes: int,
+               seed: int) -> list[TraceBatch]:
+    """Cold long prompts (near the full slab) scattered among warm short ones (a few
+    layer-blocks, well under the small view), like the seed's deployment (628 batches:
+    25 near 12 MiB, 603 small)."""
+    rng = random.Random(seed)
+    bn = layout.block_nbytes
+    keys_full = max(1, full_bytes // (layout.layers * bn))
+    small_max = max(1, min(layout.layers, small_bytes // bn // 2))
+    large_at = set(rng.sample(range(n), n_large))
+    out = []
+    for i in range(n):
+        if i in large_at:
+            out.append(TraceBatch(rng.randint(max(1, keys_full - 4), keys_full), layout.layers, True))
+        else:
+            out.append(TraceBatch(1, rng.randint(2, small_max), False))
+    return out
+
+
+def trace_payload(b: TraceBatch, layout: LayoutSpec) -> int:
+    return b.keys * b.layers * layout.block_nbytes
+
+
+# -- rigs: the two endpoints ---------------------------------------------------------------
+class Rig:
+    """Rank 0 here plus a peer; subclasses say where the peer lives."""
+
+    ep: Endpoint
+    layout: LayoutSpec
+
+    async def peer_metrics(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def peer_digest(self, nbytes: int) -> str:
+        raise NotImplementedError
+
+    def floor(self, nbytes: int, copies: int) -> list[float]:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return self.ep.transport.describe()
+
+
+class LocalRig(Rig):
+    def __init__(self, ep: Endpoint, peer: Endpoint, layout: LayoutSpec) -> None:
+        self.ep, self.peer, self.layout = ep, peer, layout
+
+    async def peer_metrics(self) -> dict[str, Any]:
+        return self.peer.snapshot_metrics()
+
+    async def peer_digest(self, nbytes: int) -> str:
+        assert self.peer.recv_slab is not None
+        return digest(self.peer.recv_slab.tensor[:nbytes])
+
+    def floor(self, nbytes: int, copies: int) -> list[float]:
+        assert self.ep.send_slab is not None and self.peer.recv_slab is not None
+        src, dst = self.ep.send_slab.tensor[:nbytes], self.peer.recv_slab.tensor[:nbytes]
+        cuda = src.is_cuda
+        out = []
+        for i in range(10 + copies):
+            t = time.perf_counter()
+            dst.copy_(src)
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= 10:
+                out.append(time.perf_counter() - t)
+        return out
+
+
+class NixlRig(Rig):
+    def __init__(self, ep: Endpoint, peer: PeerProcess, layout: LayoutSpec) -> None:
+        self.ep, self.peer, self.layout = ep, peer, layout
+
+    async def peer_metrics(self) -> dict[str, Any]:
+        return await anyio.to_thread.run_sync(self.peer.call, "metrics")
+
+    async def peer_digest(self, nbytes: int) -> str:
+        return await anyio.to_thread.run_sync(self.peer.call, "recv_digest", nbytes)
+
+    def floor(self, nbytes: int, copies: int) -> list[float]:
+        return self.ep.transport.raw_floor(PEER, nbytes, copies)  # type: ignore[attr-defined]
+
+
+# -- sections --------------------------------------------------------------------------------
+async def _copies(ep: Endpoint, sizes: Sequence[int]) -> list[float]:
+    out = []
+    perf = time.perf_counter
+    for n in sizes:
+        t = perf()
+        await ep.copy_raw(PEER, n)
+        out.append(perf() - t)
+    return out
+
+
+async def _checked_copy_digest(rig: Rig, nbytes: int) -> bool:
+    """The last copy's bytes arrived: the peer's receive slab equals our send slab."""
+    assert rig.ep.send_slab is not None
+    return await rig.peer_digest(nbytes) == digest(rig.ep.send_slab.tensor[:nbytes])
+
+
+async def seed_cases(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, float]]) -> dict[str, Any]:
+    ep, F, S = rig.ep, o.full_bytes, o.small_bytes
+    seqs = {
+        "always_full": ([F] * o.copies, 2),
+        "alternating_size_only": ([F, S] * (o.copies // 2), 1),
+        "alternating_streak": ([F, S] * (o.copies // 2), 2),
+        "sustained_small": ([S] * o.copies, 2),
+    }
+    floor_of = {F: floors["full"]["median_us"], S: floors["small"]["median_us"]}
+    out: dict[str, Any] = {}
+    for name, (sizes, streak) in seqs.items():
+        ep.tune_channel(PEER, streak=streak, trimmed=False)
+        await _copies(ep, sizes[: o.warmup])  # warm-up: views mapped, machine in steady state
+        regs0 = ep.snapshot_metrics()["registrations"]
+        peer_regs0 = (await rig.peer_metrics())["registrations"]
+        m0 = dict(ep.metrics.peer(PEER).as_dict())
+        times = await _copies(ep, sizes)
+        m1 = ep.metrics.peer(PEER).as_dict()
+        st = stats(times)
+        floor_mean = statistics.fmean(floor_of[n] for n in sizes)
+        out[name] = {
+            **st,
+            "streak": streak,
+            "copies": len(sizes),
+            "registrations_after_warmup": ep.snapshot_metrics()["registrations"] - regs0,
+            "peer_registrations_after_warmup": (await rig.peer_metrics())["registrations"] - peer_regs0,
+            "wire_bytes": m1["wire_bytes"] - m0["wire_bytes"],
+            "useful_bytes": m1["useful_bytes"] - m0["useful_bytes"],
+            "copies_small": m1["copies_small"] - m0["copies_small"],
+            "view_switches": m1["view_switches"] - m0["view_switches"],
+            "floor_mean_us": floor_mean,
+            "ratio_mean_to_floor": st["mean_us"] / floor_mean,
+            "bytes_verified": await _checked_copy_digest(rig, sizes[-1]),
+        }
+        if len(set(sizes)) == 1:
+            out[name]["ratio_median_to_floor"] = st["median_us"] / floor_of[sizes[0]]
+    out["alternating_streak_vs_always_full"] = (out["alternating_streak"]["mean_us"]
+                                                / out["always_full"]["mean_us"])
+    ep.tune_channel(PEER, streak=2, trimmed=False)
+    return out
+
+
+def _load_request(keys: int, layers: int, layout: LayoutSpec, key0: int = 0) -> dict:
+    dest0 = layout.num_slots // 2
+    return {PEER: {layer: {key0 + k: dest0 + k for k in range(keys)} for layer in range(layers)}}
+
+
+async def e2e_loads(rig: Rig, o: BenchOptions, seed_res: dict[str, Any]) -> dict[str, Any]:
+    ep, layout = rig.ep, rig.layout
+    keys_full = layout.num_slots // 2
+    expected = {PEER: pattern_caches(layout, PEER, o.seed)}
+    cases = {"small": _load_request(1, layout.layers, layout),
+             "large": _load_request(keys_full, layout.layers, layout)}
+    out: dict[str, Any] = {}
+    for name, req in cases.items():
+        ep.tune_channel(PEER, streak=2, trimmed=False)
+        zero_slots(ep.caches, req)
+        await ep.load(req)
+        verified = check_loaded(ep.caches, req, expected) > 0
+        for _ in range(min(o.warmup, 5)):
+            await ep.load(req)
+        times = []
+        perf = time.perf_counter
+        for _ in range(o.loads if name == "small" else max(5, o.loads // 4)):
+            t = perf()
+            await ep.load(req)
+            times.append(perf() - t)
+        zero_slots(ep.caches, req)
+        await ep.load(req)
+        verified = verified and check_loaded(ep.caches, req, expected) > 0
+        payload = sum(len(b) for b in req[PEER].values()) * layout.block_nbytes
+        ref = seed_res["sustained_small" if name == "small" else "always_full"]["median_us"]
+        st = stats(times)
+        out[name] = {**st, "payload_bytes": payload, "channel_copy_median_us": ref,
+                     "ratio_to_channel_copy": st["median_us"] / ref, "bytes_verified": verified}
+    return out
+
+
+async def trace_replay(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, float]]) -> dict[str, Any]:
+    ep, layout = rig.ep, rig.layout
+    trace = make_trace(o.trace_batches, o.trace_large, layout, o.full_bytes, o.small_bytes, o.seed)
+    payloads = [trace_payload(b, layout) for b in trace]
+    useful = sum(payloads)
+    full_rate = o.full_bytes / (floors["full"]["median_us"] * 1e-6)   # bytes per second
+    out: dict[str, Any] = {"batches": len(trace), "large_batches": sum(b.large for b in trace),
+                           "useful_bytes": useful}
+    for name, (streak, trimmed) in TRACE_MODES.items():
+        ch = ep.tune_channel(PEER, streak=streak, trimmed=trimmed)
+        await _copies(ep, [o.full_bytes, o.small_bytes, o.small_bytes])  # map both views
+        ch.policy.reset()
+        regs0 = ep.snapshot_metrics()["registrations"]
+        m0 = dict(ep.metrics.peer(PEER).as_dict())
+        t0 = time.perf_counter()
+        times = await _copies(ep, payloads)
+        total = time.perf_counter() - t0
+        m1 = ep.metrics.peer(PEER).as_dict()
+        wire = m1["wire_bytes"] - m0["wire_bytes"]
+        out[name] = {**stats(times), "streak": streak, "trimmed": trimmed,
+                     "wire_bytes": wire, "wire_over_useful": wire / useful,
+                     "registrations_after_warmup": ep.snapshot_metrics()["registrations"] - regs0,
+                     "copies_small": m1["copies_small"] - m0["copies_small"],
+                     "total_ms": total * 1e3,
+                     "bytes_verified": await _checked_copy_digest(rig, payloads[-1])}
+    trimmed_wire = out["trimmed_streak"]["wire_bytes"]
+    floor_s = trimmed_wire / full_rate + len(trace) * floors["small"]["median_us"] * 1e-6
+    out["floor_ms"] = floor_s * 1e3
+    for name in TRACE_MODES:
+        out[name]["ratio_total_to_floor"] = out[name]["total_ms"] / out["floor_ms"]
+    ep.tune_channel(PEER, streak=2, trimmed=False)
+    return out
+
+
+def decision_cost(n: int = 20000) -> dict[str, float]:
+    """Median cost of one ChannelPolicy.select (the hot-path state-machine decision),
+    measured in blocks of 100 calls."""
+    p = ChannelPolicy(12 * MiB, 256 * KiB)
+    sizes = [4096, 12 * MiB, 4096, 4096, 8192, 12 * MiB] * 17
+    sizes = sizes[:100]
+    per_block = []
+    perf = time.perf_counter
+    select = p.select
+    for _ in range(n // 100):
+        t = perf()
+        for s in sizes:
+            select(s)
+        per_block.append((perf() - t) / 100)
+    return {"median_us": statistics.median(per_block) * 1e6}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def memory_growth(rig: Rig, o: BenchOptions) -> dict[str, Any]:
+    """Host RSS and device memory before and after many copies (alternating views)."""
+    ep = rig.ep
+    sizes = [o.small_bytes, o.small_bytes, 64 * KiB, o.full_bytes] * 25
+    await _copies(ep, sizes)  # warm
+    cuda = ep.layout.device.type == "cuda"
+    dev0 = torch.cuda.memory_allocated(ep.layout.device) if cuda else 0
+    rss0 = _rss_bytes()
+    done = 0
+    while done < o.alloc_copies:
+        await _copies(ep, [o.small_bytes, 64 * KiB, o.small_bytes])
+        done += 3
+    rss1 = _rss_bytes()
+    dev1 = torch.cuda.memory_allocated(ep.layout.device) if cuda else 0
+    slabs = 2 * o.full_bytes
+    return {"copies": done, "rss_growth_bytes": rss1 - rss0, "device_growth_bytes": dev1 - dev0,
+            "slab_bytes_per_endpoint": slabs}
+
+
+def environment(rig: Rig, device: str) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "xavier_async": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
+        "platform": platform.platform(), "cpus": os.cpu_count(), "device": device,
+        **rig.describe(),
+    }
+    if device == "cuda":
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return env
+
+
+# -- driver ------------------------------------------------------------------------------------
+async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
+    device = o.resolved_device()
+    layout = bench_layout(o.full_bytes)
+    cfg = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, accept_raw_copies=True)
+    here = "cuda:0" if device == "cuda" else "cpu"
+    caches = pattern_caches(layout, 0, o.seed, here)
+    if o.transport == "local":
+        fabric = LocalFabric()
+        peer_dev = "cuda:1" if device == "cuda" else "cpu"
+        async with Endpoint(0, caches, fabric.transport(), EndpointConfig(**cfg)) as ep, \
+                Endpoint(PEER, pattern_caches(layout, PEER, o.seed, peer_dev), fabric.transport(),
+                         EndpointConfig(**cfg)) as peer:
+            for slot in range(layout.num_slots // 2):
+                peer.publish(slot, slot)
+            await ep.connect(peer.address)
+            _fill_send_slab(ep, o.seed)
+            return await body(LocalRig(ep, peer, layout))
+    from .transports.nixl import NixlTransport
+    spec = PeerSpec(rank=PEER, layout=layout, seed=o.seed, device="cuda:0" if device == "cuda" else "cpu",
+                    config=cfg, cuda_visible="1" if device == "cuda" else None,
+                    torch_threads=1 if device == "cpu" else None)
+    peer_proc = await anyio.to_thread.run_sync(PeerProcess, spec)
+    try:
+        async with Endpoint(0, caches, NixlTransport(), EndpointConfig(**cfg)) as ep:
+            await ep.connect(peer_proc.address)
+            _fill_send_slab(ep, o.seed)
+            return await body(NixlRig(ep, peer_proc, layout))
+    finally:
+        await anyio.to_thread.run_sync(peer_proc.close)
+
+
+def _fill_send_slab(ep: Endpoint, seed: int) -> None:
+    assert ep.send_slab is not None
+    g = torch.Generator().manual_seed(seed + 77)
+    ep.send_slab.tensor.copy_(torch.randint(0, 256, (ep.send_slab.tensor.numel(),), generator=g,
+                                            dtype=torch.uint8))
+
+
+async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run every section; return one JSON-able dict."""
+    device = o.resolved_device()
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    else:
+        # Both endpoints poll NIXL on their event loop; torch's intra-op threads on top of
+        # that oversubscribe a small CPU machine and turn microseconds into timeslices.
+        torch.set_num_threads(1)
+
+    async def body(rig: Rig) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        res: dict[str, Any] = {"options": asdict(o), "environment": environment(rig, device)}
+        report("floor")
+        floors = {"full": stats(rig.floor(o.full_bytes, max(20, o.copies // 2))),
+                  "small": stats(rig.floor(o.small_bytes, o.copies))}
+        res["floor"] = {**floors, "kind": "memcpy" if o.transport == "local" else "raw NIXL WRITE"}
+        report("seed cases")
+        res["seed_cases"] = await seed_cases(rig, o, floors)
+        report("end-to-end loads")
+        res["e2e_loads"] = await e2e_loads(rig, o, res["seed_cases"])
+        report("trace replay")
+        res["trace"] = await trace_replay(rig, o, floors)
+        report("decision cost")
+        res["decision"] = decision_cost()
+        report("memory growth")
+        res["memory"] = await memory_growth(rig, o)
+        # the floor again, to show how much the machine drifted during the run
+        res["floor_after"] = {"full": stats(rig.floor(o.full_bytes, max(20, o.copies // 4))),
+                              "small": stats(rig.floor(o.small_bytes, o.copies // 2))}
+        res["metrics"] = rig.ep.snapshot_metrics()
+        res["peer_metrics"] = await rig.peer_metrics()
+        res["targets"] = targets(res)
+        res["elapsed_s"] = time.perf_counter() - t0
+        return res
+
+    return await _with_rig(o, body)
+
+
+def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """BRIEF section 3, each as (value, limit, met)."""
+    sc, tr = r["seed_cases"], r["trace"]
+
+    def t(value: float, limit: float, le: bool = True) -> dict[str, Any]:
+        return {"value": value, "limit": limit, "met": value <= limit if le else value >= limit}
+
+    out = {
+        "channel_small_vs_floor": t(sc["sustained_small"]["ratio_median_to_floor"], 2.5),
+        "channel_full_vs_floor": t(sc["always_full"]["ratio_median_to_floor"], 1.3),
+        "registrations_after_warmup": t(max(sc[c]["registrations_after_warmup"] +
+                                            sc[c]["peer_registrations_after_warmup"]
+                                            for c in SEED_CASES), 0),
+        "alternating_streak_vs_always_full": t(sc["alternating_streak_vs_always_full"], 1.10),
+        "trimmed_wire_over_useful": t(tr["trimmed_streak"]["wire_over_useful"], 1.02),
+        "trace_vs_floor": t(tr["trimmed_streak"]["ratio_total_to_floor"], 3.0),
+        "decision_us": t(r["decision"]["median_us"], 3.0),
+        "memory_growth_bytes": t(max(r["memory"]["rss_growth_bytes"], r["memory"]["device_growth_bytes"],
+                                     0), 0),
+    }
+    if r["environment"].get("device") == "cuda":
+        out["e2e_small_load_us"] = t(r["e2e_loads"]["small"]["median_us"], 150.0)
+    return out

@@ -1,0 +1,244 @@
+"""The ``xavier-async`` command line: ``xavier-async bench [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .slabs import KiB, MiB
+
+
+def _size(text: str) -> int:
+    """``12MiB``, ``256KiB``, ``4096`` -> bytes."""
+    t = text.strip()
+    for suffix, mult in (("MiB", MiB), ("KiB", KiB), ("M", MiB), ("K", KiB), ("B", 1)):
+        if t.endswith(suffix):
+            t, m = t[: -len(suffix)], mult
+            break
+    else:
+        m = 1
+    try:
+        value = int(t) * m
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 12MiB, 256KiB, 4096)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0: {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="xavier-async", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="benchmark two endpoints against a floor measured in the same run",
+                       description="Run the floor, the seed's four channel cases, end-to-end loads, "
+                                   "a serving-trace replay, the decision cost and memory growth.")
+    b.add_argument("--transport", choices=("nixl", "local"), default="nixl",
+                   help="nixl: peer in a child process over real NIXL (default); local: in-process")
+    b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA when two GPUs are visible (one process per GPU), else DRAM")
+    b.add_argument("--full", type=_size, default=12 * MiB, help="full slab size (default 12MiB)")
+    b.add_argument("--small", type=_size, default=256 * KiB, help="small view size (default 256KiB)")
+    b.add_argument("--copies", type=_positive, default=400, help="copies per channel case")
+    b.add_argument("--loads", type=_positive, default=300, help="end-to-end small loads")
+    b.add_argument("--trace-batches", type=_positive, default=628)
+    b.add_argument("--trace-large", type=int, default=25)
+    b.add_argument("--alloc-copies", type=_positive, default=10_000,
+                   help="copies for the memory-growth check")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--quick", action="store_true", help="small counts (CI); same sections")
+    b.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the environment")
+    b.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG (needs matplotlib)")
+    b.add_argument("--compare", choices=("xoscar",), help="not available in this release (see docs)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
+    return 2  # pragma: no cover
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import anyio
+
+    from .bench import BenchOptions, run
+
+    if args.compare:
+        print("--compare xoscar is not implemented in this release; see docs/benchmarks.md for "
+              "the anchor figures measured side by side.", file=sys.stderr)
+        return 2
+    try:
+        opts = BenchOptions(transport=args.transport, device=args.device, full_bytes=args.full,
+                            small_bytes=args.small, copies=args.copies, loads=args.loads,
+                            trace_batches=args.trace_batches, trace_large=args.trace_large,
+                            alloc_copies=args.alloc_copies, seed=args.seed, quick=args.quick)
+    except ValueError as exc:
+        print(f"xavier-async bench: {exc}", file=sys.stderr)
+        return 2
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'xavier-async[bench]'", file=sys.stderr)
+            return 2
+
+    console = _console()
+    sections = ["floor", "seed cases", "end-to-end loads", "trace replay", "decision cost",
+                "memory growth"]
+    if console is not None:
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as progress:
+            task = progress.add_task("starting", total=len(sections))
+
+            def report(name: str) -> None:
+                progress.update(task, description=name, completed=sections.index(name))
+
+            result = anyio.run(run, opts, report)
+    else:
+        result = anyio.run(run, opts, lambda s: print(f"... {s}", file=sys.stderr))
+    print_report(result, console)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _console() -> Any:
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    import shutil
+    width = shutil.get_terminal_size((160, 40)).columns if sys.stdout.isatty() else 160
+    return Console(width=max(width, 120))
+
+
+def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
+    """(title, rows, header) for each table of the report."""
+    fl, sc, e2e, tr = r["floor"], r["seed_cases"], r["e2e_loads"], r["trace"]
+    o = r["options"]
+    floor_rows = [[name, f"{fl[name]['median_us']:.1f}", f"{fl[name]['p95_us']:.1f}",
+                   f"{r['floor_after'][name]['median_us']:.1f}"] for name in ("full", "small")]
+    seed_rows = []
+    for c in ("always_full", "alternating_size_only", "alternating_streak", "sustained_small"):
+        x = sc[c]
+        ratio = x.get("ratio_median_to_floor", x["ratio_mean_to_floor"])
+        seed_rows.append([c, str(x["streak"]), f"{x['median_us']:.1f}", f"{x['p95_us']:.1f}",
+                          f"{x['mean_us']:.1f}", f"{ratio:.2f}x",
+                          str(x["registrations_after_warmup"] + x["peer_registrations_after_warmup"]),
+                          f"{x['wire_bytes'] / max(1, x['useful_bytes']):.3f}", str(x["copies_small"]),
+                          "yes" if x["bytes_verified"] else "NO"])
+    e2e_rows = [[k, f"{v['payload_bytes'] / KiB:.0f} KiB", f"{v['median_us']:.1f}", f"{v['p95_us']:.1f}",
+                 f"{v['ratio_to_channel_copy']:.2f}x", "yes" if v["bytes_verified"] else "NO"]
+                for k, v in e2e.items()]
+    trace_rows = [[k, f"{v['wire_over_useful']:.3f}", str(v["registrations_after_warmup"]),
+                   f"{v['median_us']:.1f}", f"{v['p95_us']:.1f}", f"{v['total_ms']:.1f}",
+                   f"{v['ratio_total_to_floor']:.2f}x", "yes" if v["bytes_verified"] else "NO"]
+                  for k, v in tr.items() if isinstance(v, dict)]
+    target_rows = [[k, f"{v['value']:.3g}", f"<= {v['limit']:.3g}", "met" if v["met"] else "MISSED"]
+                   for k, v in r["targets"].items()]
+    return [
+        (f"Floor ({fl['kind']}, per copy, us; full={o['full_bytes']} B, small={o['small_bytes']} B)",
+         floor_rows, ["size", "median", "p95", "median at end"]),
+        ("Seed cases: channel copies (ratio: median/floor, or mean/floor when sizes alternate)",
+         seed_rows, ["case", "streak", "median us", "p95 us", "mean us", "vs floor", "regs after warm-up",
+                     "wire/useful", "small copies", "bytes ok"]),
+        ("End-to-end loads (request, pack, write, unpack, acknowledge)", e2e_rows,
+         ["load", "payload", "median us", "p95 us", "vs channel copy", "bytes ok"]),
+        (f"Trace replay: {tr['batches']} batches ({tr['large_batches']} large), "
+         f"{tr['useful_bytes'] / 1e6:.1f} MB useful, floor {tr['floor_ms']:.1f} ms", trace_rows,
+         ["mode", "wire/useful", "regs after warm-up", "p50 us", "p95 us", "total ms", "vs floor",
+          "bytes ok"]),
+        (f"Targets (BRIEF section 3); decision {r['decision']['median_us']:.2f} us; memory growth "
+         f"over {r['memory']['copies']} copies: host {r['memory']['rss_growth_bytes']} B, device "
+         f"{r['memory']['device_growth_bytes']} B", target_rows, ["target", "value", "limit", ""]),
+    ]
+
+
+def print_report(r: dict[str, Any], console: Any = None) -> None:
+    env = r["environment"]
+    head = (f"xavier-async {env['xavier_async']} | transport {env['transport']} | device {env['device']}"
+            f" | torch {env['torch']} | nixl {env.get('nixl', '-')} | {env['cpus']} cpus")
+    if console is None:
+        print(head)
+        for title, rows, header in _rows(r):
+            print(f"\n{title}")
+            widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+            for row in [header, *rows]:
+                print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+        return
+    from rich.table import Table
+    console.print(head)
+    for title, rows, header in _rows(r):
+        table = Table(title=title, title_justify="left")
+        for h in header:
+            table.add_column(h, justify="right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    """Per-copy latency of the four cases and the floor; trace wire vs useful bytes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sc, fl, tr = r["seed_cases"], r["floor"], r["trace"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    names = ["floor full", "floor small", "always full", "alt. size-only", "alt. streak",
+             "sustained small"]
+    med = [fl["full"]["median_us"], fl["small"]["median_us"]] + [
+        sc[c]["median_us"] for c in ("always_full", "alternating_size_only", "alternating_streak",
+                                     "sustained_small")]
+    p95 = [fl["full"]["p95_us"], fl["small"]["p95_us"]] + [
+        sc[c]["p95_us"] for c in ("always_full", "alternating_size_only", "alternating_streak",
+                                  "sustained_small")]
+    colors = ["#999999", "#bbbbbb", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"]
+    ax1.bar(names, med, color=colors, label="median")
+    ax1.scatter(names, p95, color="black", marker="_", s=300, label="p95", zorder=3)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("per copy (us, log)")
+    ax1.set_title(f"Channel copies vs floor ({r['environment']['transport']}, {r['environment']['device']})")
+    ax1.tick_params(axis="x", rotation=25)
+    ax1.legend()
+    modes = [k for k, v in tr.items() if isinstance(v, dict)]
+    useful = tr["useful_bytes"] / 1e6
+    wire = [tr[m]["wire_bytes"] / 1e6 for m in modes]
+    x = range(len(modes))
+    ax2.bar([i - 0.2 for i in x], [useful] * len(modes), width=0.4, label="useful", color="#2ca02c")
+    ax2.bar([i + 0.2 for i in x], wire, width=0.4, label="on the wire", color="#d62728")
+    for i, m in enumerate(modes):
+        ax2.text(i + 0.2, wire[i], f"{tr[m]['wire_over_useful']:.2f}x", ha="center", va="bottom")
+    ax2.set_xticks(list(x), modes, rotation=15)
+    ax2.set_ylabel("MB")
+    ax2.set_title(f"Trace replay: {tr['batches']} batches, wire vs useful bytes")
+    ax2.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
