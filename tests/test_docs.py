@@ -194,6 +194,19 @@ def test_pages_name_only_tests_and_files_that_exist():
     assert not missing, missing
 
 
+def test_mermaid_blocks_avoid_statement_separators():
+    """`;` ends a Mermaid statement: inside a label it silently breaks the diagram (the page
+    then shows the source). Checked here because CI has no browser to render them."""
+    bad = []
+    for page in sorted(DOCS.rglob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        for m in re.finditer(r"```mermaid\n(.*?)```", text, re.S):
+            for i, line in enumerate(m.group(1).splitlines()):
+                if ";" in line and not line.strip().startswith("%%"):
+                    bad.append(f"{page.relative_to(DOCS)}: {line.strip()}")
+    assert not bad, bad
+
+
 # -- the site -------------------------------------------------------------------------------
 def test_mkdocs_build_strict(tmp_path):
     for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
