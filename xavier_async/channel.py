@@ -107,11 +107,19 @@ class PeerChannel:
     async def write(self, plan: CopyPlan, notify: bytes | None) -> None:
         """Start the copy and wait, shielded, for its terminal state."""
         m = self.metrics
+        held: BaseException | None = None
         try:
             pending = self.transport.post(self.peer, plan.mapping, plan.wire_bytes, notify)
             if pending is not None:  # not finished while posting: wait, shielded
                 with anyio.CancelScope(shield=True):
-                    await self.transport.wait(pending)
+                    while True:
+                        try:
+                            await self.transport.wait(pending)
+                            break
+                        except anyio.get_cancelled_exc_class() as exc:
+                            # a native asyncio Task.cancel() gets through the shield: the
+                            # copy is still under way, so wait again and re-raise afterwards
+                            held = exc
         except XavierError as exc:
             m.failures += 1
             await self.reset()
@@ -132,6 +140,8 @@ class PeerChannel:
         if self._last_view and self._last_view != plan.view_bytes:
             m.view_switches += 1
         self._last_view = plan.view_bytes
+        if held is not None:
+            raise held
 
     async def reset(self) -> None:
         """Back to ``full`` with no mappings (after a transport failure)."""

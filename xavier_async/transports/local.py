@@ -128,7 +128,15 @@ class LocalTransport(Transport):
 
     async def disconnect(self, peer: int) -> None:
         self._mappings.pop(peer, None)
-        self._peers.pop(peer, None)
+        other = self._peers.pop(peer, None)
+        # a connection has two ends: once we drop the peer it can no longer write into our
+        # receive slab either (a copy it still has under way fails instead of landing)
+        if other is not None and self.host is not None and other._peers.get(self.host.rank) is self:
+            del other._peers[self.host.rank]
+            other._mappings.pop(self.host.rank, None)
+            if other.host is not None and other._address is not None:
+                other.host.peer_lost(self.host.rank,
+                                     PeerLostError(f"rank {self.host.rank} disconnected"))
 
     async def aclose(self) -> None:
         if self._address is None:

@@ -1,0 +1,415 @@
+"""Cancellation and close (BRIEF section 5): a started copy is never abandoned, the caller
+still sees its cancellation, close drains, rejects new work, is idempotent and safe to
+cancel.
+
+Timing checks here are only lower bounds ("did not return before the stall ended"), with
+margins, plus a generous upper bound where a load that never started must not wait."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import anyio
+import pytest
+import torch
+
+from xavier_async import EndpointClosedError, EndpointConfig
+
+from .conftest import (KiB, CountingTransport, assert_caches_unchanged, assert_same_bytes,
+                       cluster, faulty, random_cache, snapshot)
+
+STALL = 0.3
+EARLY = 0.05          # when the caller gets cancelled, well inside the stall
+MARGIN = 0.9          # lower bounds use 90% of the stall
+
+
+def cfg(**kw) -> EndpointConfig:
+    return EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, **kw)
+
+
+def caches(n=3, seed=0):
+    return [{0: random_cache(16, (64,), torch.float32, seed=seed + i),
+             "v": random_cache(16, (3, 5), torch.bfloat16, seed=seed + 10 + i)} for i in range(n)]
+
+
+def publish(ep):
+    for s in range(16):
+        ep.publish(f"k{s}", s)
+
+
+def req(src, pairs):
+    """{src: {layer: {key: dst}}} for (src_slot, dst_slot) pairs, both layers."""
+    return {src: {layer: {f"k{s}": d for s, d in pairs} for layer in (0, "v")}}
+
+
+def check(dst, src, pairs):
+    for layer in (0, "v"):
+        for s, d in pairs:
+            assert_same_bytes(dst[layer][d], src[layer][s])
+
+
+async def test_cancelled_loader_waits_for_its_started_copy():
+    cs = caches(2)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.stall_next_writes(1, STALL)
+        reached_after_load = False
+        t0 = time.monotonic()
+        with anyio.move_on_after(EARLY) as scope:
+            await a.load(req(1, [(3, 4)]))
+            reached_after_load = True
+        elapsed = time.monotonic() - t0
+        assert scope.cancel_called and scope.cancelled_caught     # the caller saw it
+        assert not reached_after_load
+        assert elapsed >= STALL * MARGIN                          # waited for the copy
+        assert b.transport.injected.writes_stalled == 1
+        assert b.metrics.peer(0).batches_sent == 1                # the copy did complete
+        assert_caches_unchanged(cs[0], orig[0])                   # ... and was not unpacked
+        # the receive slab is free again and the next load is correct
+        await a.load(req(1, [(5, 6)]))
+        check(cs[0], orig[1], [(5, 6)])
+        assert_same_bytes(cs[0][0][4], orig[0][0][4])
+
+
+async def test_receive_slab_not_reused_before_the_cancelled_copy_ends():
+    cs = caches(3)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b, c):
+        publish(b)
+        publish(c)
+        b.transport.stall_next_writes(1, STALL)
+        done = {}
+        t0 = time.monotonic()
+
+        async def cancelled_load():
+            with anyio.move_on_after(EARLY) as scope:
+                await a.load(req(1, [(1, 1)]))
+            done["cancelled"] = (time.monotonic() - t0, scope.cancelled_caught)
+
+        async def next_load():
+            await anyio.sleep(EARLY * 2)       # after the cancellation
+            await a.load(req(2, [(2, 2), (3, 3)]))
+            done["next"] = time.monotonic() - t0
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancelled_load)
+                tg.start_soon(next_load)
+        assert done["cancelled"][1]
+        assert done["cancelled"][0] >= STALL * MARGIN
+        assert done["next"] >= STALL * MARGIN      # waited for the slab, did not overtake
+        check(cs[0], orig[2], [(2, 2), (3, 3)])
+        for layer in (0, "v"):
+            assert_same_bytes(cs[0][layer][1], orig[0][layer][1])
+
+
+@pytest.mark.parametrize("how", ["nested", "twice"])
+async def test_cancel_twice(how):
+    cs = caches(2)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.stall_next_writes(1, STALL)
+        after = []
+        t0 = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as outer:
+                with anyio.CancelScope() as inner:
+                    async def canceller():
+                        await anyio.sleep(EARLY)
+                        inner.cancel()
+                        await anyio.sleep(EARLY)
+                        (outer if how == "nested" else inner).cancel()
+                    tg.start_soon(canceller)
+                    await a.load(req(1, [(7, 8)]))
+                    after.append("inner")
+                after.append("outer")
+        elapsed = time.monotonic() - t0
+        assert elapsed >= STALL * MARGIN
+        assert inner.cancel_called
+        if how == "nested":
+            assert outer.cancel_called and outer.cancelled_caught and after == []
+        else:
+            assert inner.cancelled_caught and after == ["outer"]
+        assert_caches_unchanged(cs[0], orig[0])
+        await a.load(req(1, [(9, 10)]))
+        check(cs[0], orig[1], [(9, 10)])
+
+
+async def test_native_asyncio_cancel_waits_for_the_copy():
+    cs = caches(2)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.stall_next_writes(1, STALL)
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(a.load(req(1, [(2, 3)])))
+        await asyncio.sleep(EARLY)
+        task.cancel()
+        await asyncio.sleep(EARLY)
+        task.cancel()                                  # and once more
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - t0 >= STALL * MARGIN
+        assert task.cancelled()
+        assert b.metrics.peer(0).batches_sent == 1
+        assert_caches_unchanged(cs[0], orig[0])
+        await a.load(req(1, [(4, 5)]))
+        check(cs[0], orig[1], [(4, 5)])
+
+
+async def test_asyncio_timeout_around_a_stalled_load():
+    cs = caches(2)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.stall_next_writes(1, STALL)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(EARLY):
+                await a.load(req(1, [(2, 3)]))
+        assert time.monotonic() - t0 >= STALL * MARGIN
+        assert_caches_unchanged(cs[0], orig[0])
+        await a.load(req(1, [(2, 3)]))
+        check(cs[0], orig[1], [(2, 3)])
+
+
+async def test_a_load_that_never_started_is_cancelled_at_once():
+    stall = 0.6
+    cs = caches(3)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b, c):
+        publish(b)
+        publish(c)
+        b.transport.stall_next_writes(1, stall)
+        res = {}
+
+        async def first():
+            await a.load(req(1, [(0, 0)]))
+
+        async def queued():
+            await anyio.sleep(EARLY)
+            t0 = time.monotonic()
+            with anyio.move_on_after(EARLY) as scope:
+                await a.load(req(2, [(1, 1)]))      # waits for the receive slab
+            res["queued"] = (time.monotonic() - t0, scope.cancelled_caught)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            tg.start_soon(queued)
+        elapsed, caught = res["queued"]
+        assert caught and elapsed < stall - 0.1       # not held back by b's stalled copy
+        assert c.metrics.peer(0).batches_sent == 0   # nothing was sent for it
+        check(cs[0], orig[1], [(0, 0)])
+        for layer in (0, "v"):
+            assert_same_bytes(cs[0][layer][1], orig[0][layer][1])
+
+
+async def test_cancelled_registration_is_not_cached():
+    cs = caches(2)
+    async with cluster(cs, cfg(accept_raw_copies=True),
+                       wrap={0: lambda f: CountingTransport(f, map_delay=STALL)}) as (a, b):
+        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 253)
+        with anyio.move_on_after(EARLY) as scope:
+            await a.copy_raw(1, 100)
+        assert scope.cancelled_caught
+        ch = a.channel(1)
+        assert ch.mapped_views == () and ch.policy.state == "full"
+        assert a.metrics.peer(1).batches_sent == 0
+        assert await a.copy_raw(1, 100) == 16 * KiB
+        assert a.transport.map_calls == 2 and a.transport.map_done == 1
+        assert_same_bytes(b.recv_slab.tensor, a.send_slab.tensor)
+
+
+async def test_cancelled_raw_copy_waits_for_the_write():
+    cs = caches(2)
+    async with cluster(cs, cfg(accept_raw_copies=True), wrap={0: faulty()}) as (a, b):
+        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 241)
+        await a.copy_raw(1, 16 * KiB)                  # mapped, warm
+        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 239)
+        a.transport.stall_next_writes(1, STALL)
+        t0 = time.monotonic()
+        with anyio.move_on_after(EARLY) as scope:
+            await a.copy_raw(1, 16 * KiB)
+        assert scope.cancelled_caught and time.monotonic() - t0 >= STALL * MARGIN
+        assert_same_bytes(b.recv_slab.tensor, a.send_slab.tensor)   # the copy completed
+        assert a.metrics.peer(1).batches_sent == 2
+
+
+async def test_native_cancel_of_a_raw_copy_waits_for_the_write():
+    cs = caches(2)
+    async with cluster(cs, cfg(accept_raw_copies=True), wrap={0: faulty()}) as (a, b):
+        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 241)
+        await a.copy_raw(1, 16 * KiB)
+        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 239)
+        a.transport.stall_next_writes(1, STALL)
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(a.copy_raw(1, 16 * KiB))
+        await asyncio.sleep(EARLY)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - t0 >= STALL * MARGIN
+        assert_same_bytes(b.recv_slab.tensor, a.send_slab.tensor)   # the copy completed
+        assert a.metrics.peer(1).batches_sent == 2 and a.metrics.peer(1).failures == 0
+
+
+# -- close --------------------------------------------------------------------------------
+
+async def test_close_drains_in_flight_loads_then_rejects_new_work():
+    cs = caches(2)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.stall_next_writes(1, STALL)
+        out = {}
+        t0 = time.monotonic()
+
+        async def load():
+            out["result"] = await a.load(req(1, [(6, 7), (8, 9)]))
+            out["load_done"] = time.monotonic() - t0
+
+        async def close():
+            await anyio.sleep(EARLY)
+            await a.aclose()
+            out["closed"] = time.monotonic() - t0
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load)
+                tg.start_soon(close)
+        assert out["result"].blocks == 4
+        assert out["closed"] >= out["load_done"] >= STALL * MARGIN
+        check(cs[0], orig[1], [(6, 7), (8, 9)])
+        assert a.closed
+        with pytest.raises(EndpointClosedError):
+            await a.load(req(1, [(1, 1)]))
+        with pytest.raises(EndpointClosedError):
+            await a.connect(b.address)
+        for _ in range(3):
+            await a.aclose()                           # idempotent
+        assert a.closed
+        assert b.peers == ()                           # b saw a go
+        assert_same_bytes(cs[0][0][1], orig[0][0][1])
+
+
+async def test_source_close_drains_the_copy_it_is_serving():
+    cs = caches(2)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.stall_next_writes(1, STALL)
+        out = {}
+
+        async def load():
+            out["result"] = await a.load(req(1, [(2, 2)]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load)
+            await anyio.sleep(EARLY)
+            t0 = time.monotonic()
+            await b.aclose()
+            assert time.monotonic() - t0 >= (STALL - EARLY) * MARGIN
+        assert out["result"].blocks == 2
+        check(cs[0], orig[1], [(2, 2)])
+        assert a.peers == ()
+
+
+async def test_concurrent_closes_all_wait_for_the_drain():
+    cs = caches(2)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.stall_next_writes(1, STALL)
+        ends = []
+        t0 = time.monotonic()
+
+        async def close():
+            await anyio.sleep(EARLY)
+            await a.aclose()
+            ends.append(time.monotonic() - t0)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.load, req(1, [(3, 3)]))
+            for _ in range(3):
+                tg.start_soon(close)
+        assert len(ends) == 3 and min(ends) >= STALL * MARGIN
+        check(cs[0], orig[1], [(3, 3)])
+
+
+async def test_cancelled_close_still_finishes_cleanup():
+    cs = caches(2)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.stall_next_writes(1, STALL)
+        out = {}
+
+        async def load():
+            out["result"] = await a.load(req(1, [(4, 4)]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load)
+            await anyio.sleep(EARLY)
+            t0 = time.monotonic()
+            with anyio.move_on_after(EARLY) as scope:
+                await a.aclose()
+            assert scope.cancel_called
+            assert time.monotonic() - t0 >= (STALL - EARLY) * MARGIN
+            assert a.closed and a._state == "closed"
+        assert out["result"].blocks == 2
+        check(cs[0], orig[1], [(4, 4)])
+        assert b.peers == ()                            # the transport was released
+        with pytest.raises(EndpointClosedError):
+            await a.load(req(1, [(5, 5)]))
+        await a.aclose()
+
+
+async def test_native_cancel_of_close_still_finishes_cleanup():
+    cs = caches(2)
+    orig = [snapshot(c) for c in cs]
+    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.stall_next_writes(1, STALL)
+        load = asyncio.ensure_future(a.load(req(1, [(4, 4)])))
+        await asyncio.sleep(EARLY)
+        t0 = time.monotonic()
+        closing = asyncio.ensure_future(a.aclose())
+        await asyncio.sleep(EARLY)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert time.monotonic() - t0 >= (STALL - EARLY) * MARGIN
+        assert a.closed and a._state == "closed" and b.peers == ()
+        assert (await load).blocks == 2
+        check(cs[0], orig[1], [(4, 4)])
+
+
+async def test_close_inside_the_context_does_not_cancel_the_caller():
+    cs = caches(2)
+    orig = [snapshot(c) for c in cs]
+    reached = []
+    async with cluster(cs, cfg()) as (a, b):
+        publish(b)
+        await a.load(req(1, [(1, 2)]))
+        await a.aclose()
+        await anyio.sleep(0)          # a checkpoint after close: the caller is not cancelled
+        reached.append(1)
+        with pytest.raises(EndpointClosedError):
+            await a.load(req(1, [(1, 2)]))
+        reached.append(2)
+    assert reached == [1, 2]
+    check(cs[0], orig[1], [(1, 2)])
+
+
+async def test_close_before_enter_and_exit_after_close():
+    from xavier_async import Endpoint, LocalTransport
+    ep = Endpoint(0, caches(1)[0], LocalTransport(), cfg())
+    await ep.aclose()
+    await ep.aclose()
+    assert ep.closed
+    with pytest.raises(EndpointClosedError):
+        async with ep:
+            pass

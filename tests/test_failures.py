@@ -1,0 +1,374 @@
+"""The failure model of BRIEF section 5, driven by the fault-injecting transport."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+import torch
+
+from xavier_async import (EndpointConfig, FaultPlan, FaultyTransport, PeerLostError,
+                          RegistrationError, RetryPolicy, TransferError, UnknownPeerError)
+
+from .conftest import (KiB, CountingTransport, assert_caches_unchanged, assert_same_bytes,
+                       cluster, faulty, random_cache, snapshot, zero_cache)
+
+FAST_RETRY = RetryPolicy(attempts=3, base_delay=0.001, multiplier=2.0, max_delay=0.004)
+
+
+def cfg(**kw) -> EndpointConfig:
+    kw.setdefault("retry", FAST_RETRY)
+    return EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, **kw)
+
+
+def three(seed: int = 0):
+    """A receiver and two sources, each cache 32 slots of 64 float32 (256 B)."""
+    return [{0: random_cache(32, (64,), torch.float32, seed=seed + i)} for i in range(3)]
+
+
+def publish(ep, n=32):
+    for s in range(n):
+        ep.publish(f"k{s}", s)
+
+
+def faulty_counting(map_delay: float = 0.0, **plan):
+    def make(fabric):
+        return FaultyTransport(CountingTransport(fabric, map_delay), FaultPlan(**plan))
+    return make
+
+
+# -- registration -------------------------------------------------------------------------
+
+async def test_registration_failures_are_retried_with_backoff():
+    retry = RetryPolicy(attempts=4, base_delay=0.02, multiplier=2.0, max_delay=1.0)
+    caches = three()
+    src = snapshot(caches[1])
+    async with cluster(caches[:2], cfg(retry=retry), wrap={1: faulty_counting()}) as (a, b):
+        publish(b)
+        b.transport.fail_next_registrations(3)
+        t0 = time.monotonic()
+        await a.load({1: {0: {"k5": 0}}})
+        elapsed = time.monotonic() - t0
+        m = b.metrics.peer(0)
+        assert m.retries == 3 and m.registrations == 1 and m.failures == 0
+        assert b.transport.injected.registrations_failed == 3
+        assert b.transport.inner.map_done == 1
+        assert elapsed >= 0.02 + 0.04 + 0.08 - 0.005     # it backed off between attempts
+    assert_same_bytes(caches[0][0][0], src[0][5])
+
+
+async def test_registration_failure_beyond_budget_is_not_cached():
+    caches = three()
+    dst_before, src = snapshot(caches[0]), snapshot(caches[1])
+    async with cluster(caches[:2], cfg(), wrap={1: faulty_counting()}) as (a, b):
+        publish(b)
+        b.transport.fail_next_registrations(FAST_RETRY.attempts)
+        with pytest.raises(RegistrationError, match="after 3 attempt"):
+            await a.load({1: {0: {"k1": 2}}})
+        assert_caches_unchanged(caches[0], dst_before)
+        ch = b.channel(0)
+        assert ch.mapped_views == ()                     # the failure was not cached
+        assert ch.policy.state == "full"                 # and the machine did not move
+        m = b.metrics.peer(0)
+        assert m.failures == 1 and m.retries == 2 and m.registrations == 0
+        assert a.metrics.peer(1).load_errors == 1
+        # the next caller tries again and succeeds
+        await a.load({1: {0: {"k1": 2}}})
+        assert ch.mapped_views == (16 * KiB,) and m.registrations == 1
+        assert b.transport.inner.map_done == 1
+    assert_same_bytes(caches[0][0][2], src[0][1])
+
+
+async def test_registration_failure_through_copy_raw():
+    async with cluster([{0: zero_cache(2, (4,), torch.float32)}] * 2,
+                       cfg(accept_raw_copies=True), wrap={0: faulty()}) as (a, b):
+        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 251)
+        a.transport.fail_next_registrations(3)
+        with pytest.raises(RegistrationError):
+            await a.copy_raw(1, 100)
+        assert a.channel(1).mapped_views == ()
+        assert await a.copy_raw(1, 100) == 16 * KiB
+        assert_same_bytes(b.recv_slab.tensor, a.send_slab.tensor)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_random_registration_failures_are_deterministic_and_recovered(seed):
+    outcomes = []
+    for _ in range(2):   # the same seed gives the same faults
+        caches = three(seed)
+        src = snapshot(caches[1])
+        retry = RetryPolicy(attempts=12, base_delay=0.0, max_delay=0.0)
+        async with cluster(caches[:2], cfg(retry=retry),
+                           wrap={1: faulty(seed=seed, registration_failure_rate=0.6)}) as (a, b):
+            publish(b)
+            for s in range(6):
+                await a.load({1: {0: {f"k{s}": s}}})
+            # a reset drops the mappings: they are registered again, through the faults
+            await b.channel(0).reset()
+            for s in range(6, 10):
+                await a.load({1: {0: {f"k{s}": s}}})
+            outcomes.append((b.transport.injected.registrations_failed, b.metrics.peer(0).retries,
+                             b.metrics.peer(0).registrations))
+        assert_same_bytes(caches[0][0][:10], src[0][:10])
+    assert outcomes[0] == outcomes[1]
+    failed, retries, registrations = outcomes[0]
+    assert registrations == 4 and retries == failed
+
+
+async def test_concurrent_callers_share_one_in_flight_registration():
+    async with cluster(three()[:2], cfg(), wrap={1: lambda f: CountingTransport(f, map_delay=0.05)}) as (a, b):
+        ch = b.channel(0)
+        results = {}
+
+        async def get(i, view):
+            results[i] = await ch.mapping(view)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(20):
+                tg.start_soon(get, i, 16 * KiB if i % 2 else 1 * KiB)
+        assert b.transport.map_calls == 2                  # one per view, not one per caller
+        assert b.metrics.peer(0).registrations == 2
+        full = {id(m) for i, m in results.items() if i % 2}
+        small = {id(m) for i, m in results.items() if not i % 2}
+        assert len(full) == 1 and len(small) == 1 and full != small
+        assert await ch.mapping(16 * KiB) is results[1]    # cached from now on
+        assert b.transport.map_calls == 2
+
+
+async def test_waiters_retry_after_the_leader_fails():
+    retry = RetryPolicy(attempts=1)
+    async with cluster(three()[:2], cfg(retry=retry), wrap={1: faulty_counting(map_delay=0.02)}) as (a, b):
+        ch = b.channel(0)
+        b.transport.fail_next_registrations(1)
+        outcomes = []
+
+        async def get():
+            try:
+                outcomes.append(await ch.mapping(16 * KiB))
+            except RegistrationError as exc:
+                outcomes.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(10):
+                tg.start_soon(get)
+        errors = [o for o in outcomes if isinstance(o, RegistrationError)]
+        mappings = {id(o) for o in outcomes if not isinstance(o, RegistrationError)}
+        assert len(errors) == 1 and len(mappings) == 1      # the next caller retried, once
+        assert b.transport.inner.map_calls == 1
+        assert ch.mapped_views == (16 * KiB,)
+
+
+async def test_concurrent_loads_on_a_fresh_channel_register_once():
+    caches = [{0: random_cache(32, (1024,), torch.float32, seed=i)} for i in range(2)]  # 4 KiB blocks
+    dst_before, src = snapshot(caches[0]), snapshot(caches[1])
+    async with cluster(caches, cfg(accept_raw_copies=True),
+                       wrap={1: lambda f: CountingTransport(f, map_delay=0.02)}) as (a, b):
+        publish(b)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for s in range(16):
+                    tg.start_soon(a.load, {1: {0: {f"k{s}": s}}})
+                for _ in range(8):
+                    tg.start_soon(b.copy_raw, 0, 8 * KiB)
+        assert b.transport.map_calls == 1                 # every batch was large: full view only
+        assert b.metrics.peer(0).registrations == 1
+        assert b.metrics.peer(0).batches_sent == 24
+    assert_same_bytes(caches[0][0][:16], src[0][:16])
+    assert_same_bytes(caches[0][0][16:], dst_before[0][16:])
+
+
+# -- write failures -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("after_stall", [False, True])
+async def test_write_failure_resets_only_that_peers_channel(after_stall):
+    caches = three()
+    orig = [snapshot(c) for c in caches]
+    async with cluster(caches, cfg(), wrap={1: faulty()}) as (a, b, c):
+        publish(b)
+        for s in range(3):                  # both loaders reach the small view on b
+            await a.load({1: {0: {f"k{s}": s}}})
+            await c.load({1: {0: {f"k{s}": s}}})
+        assert b.policy(0).state == b.policy(2).state == "small"
+        assert b.channel(0).mapped_views == b.channel(2).mapped_views == (1 * KiB, 16 * KiB)
+        b.transport.fail_next_writes(1)
+        if after_stall:
+            b.transport.stall_next_writes(1, 0.02)
+        with pytest.raises(TransferError, match="rank 0"):
+            await a.load({1: {0: {"k10": 10}}})
+        assert_same_bytes(caches[0][0][10], orig[0][0][10])       # not unpacked
+        ch = b.channel(0)
+        assert ch.policy.state == "full" and ch.mapped_views == ()
+        m = b.metrics.peer(0)
+        assert m.resets == 1 and m.failures == 1
+        assert a.metrics.peer(1).load_errors == 1
+        # the other peer is untouched: same state, same mappings, still the small view
+        assert b.policy(2).state == "small" and b.channel(2).mapped_views == (1 * KiB, 16 * KiB)
+        assert b.metrics.peer(2).resets == 0
+        res = await c.load({1: {0: {"k11": 11}}})
+        assert res.wire_bytes == 1 * KiB
+        # and the failed peer recovers: registers again, starts from full
+        res = await a.load({1: {0: {"k10": 10}}})
+        assert res.wire_bytes == 16 * KiB
+        assert m.registrations == 3 and b.metrics.peer(2).registrations == 2
+    for s in (0, 1, 2, 10):
+        assert_same_bytes(caches[0][0][s], orig[1][0][s])
+    for s in (0, 1, 2, 11):
+        assert_same_bytes(caches[2][0][s], orig[1][0][s])
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+async def test_random_write_faults_never_corrupt(seed):
+    counts = []
+    for _ in range(2):
+        caches = three(seed)
+        orig = [snapshot(c) for c in caches]
+        plan = dict(seed=seed, write_failure_rate=0.3, write_stall_rate=0.2, stall_seconds=0.002)
+        async with cluster(caches, cfg(), wrap={1: faulty(**plan)}) as (a, b, c):
+            publish(b)
+            failed = set()
+            for i in range(40):
+                n = 1 + (i % 5) * 3
+                slots = [(i + j) % 32 for j in range(n)]
+                try:
+                    await a.load({1: {0: {f"k{s}": s for s in slots}}})
+                except TransferError:
+                    failed.update(slots)
+                else:
+                    failed.difference_update(slots)
+                    for s in slots:
+                        assert_same_bytes(caches[0][0][s], orig[1][0][s])
+            # every slot holds either its original bytes or the source's, never a mix
+            for s in range(32):
+                row = caches[0][0][s]
+                assert torch.equal(row.view(torch.uint8), orig[1][0][s].view(torch.uint8)) or \
+                    torch.equal(row.view(torch.uint8), orig[0][0][s].view(torch.uint8))
+            inj = b.transport.injected
+            assert b.metrics.peer(0).failures == inj.writes_failed == b.metrics.peer(0).resets
+            assert a.metrics.peer(1).load_errors == inj.writes_failed
+            counts.append((inj.writes_failed, inj.writes_stalled))
+    assert counts[0] == counts[1] and counts[0][0] > 0 and counts[0][1] > 0
+
+
+async def test_stalled_write_still_completes_with_correct_bytes():
+    caches = three()
+    src = snapshot(caches[1])
+    async with cluster(caches[:2], cfg(), wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.stall_next_writes(2, 0.1)
+        t0 = time.monotonic()
+        res = await a.load({1: {0: {"k3": 4, "k4": 3}}})
+        assert time.monotonic() - t0 >= 0.095
+        assert res.blocks == 2
+        t0 = time.monotonic()
+        await a.load({1: {0: {"k5": 5}}})
+        assert time.monotonic() - t0 >= 0.095
+        assert b.transport.injected.writes_stalled == 2
+        assert b.metrics.peer(0).failures == 0
+    assert_same_bytes(caches[0][0][4], src[0][3])
+    assert_same_bytes(caches[0][0][3], src[0][4])
+    assert_same_bytes(caches[0][0][5], src[0][5])
+
+
+# -- lost peers ---------------------------------------------------------------------------
+
+async def test_lost_peer_fails_pending_loads_promptly_and_others_keep_working():
+    caches = three()
+    orig = [snapshot(c) for c in caches]
+    stall = 1.0
+    async with cluster(caches, cfg(), wrap={0: faulty(), 1: faulty()}) as (a, b, c):
+        publish(b)
+        publish(c)
+        b.transport.stall_next_writes(1, stall)
+        got = {}
+
+        async def doomed():
+            t0 = time.monotonic()
+            with pytest.raises(PeerLostError):
+                await a.load({1: {0: {"k7": 7}}})
+            got["elapsed"] = time.monotonic() - t0
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(doomed)
+                await anyio.sleep(0.05)
+                a.transport.lose_peer(1)
+        assert got["elapsed"] < stall * 0.8               # did not wait for the stalled copy
+        assert_same_bytes(caches[0][0][7], orig[0][0][7])
+        assert a.peers == (2,)
+        with pytest.raises(UnknownPeerError):
+            await a.load({1: {0: {"k8": 8}}})
+        # the other source keeps working, during and after b's stalled copy
+        await a.load({2: {0: {f"k{s}": s for s in range(16, 20)}}})
+        with anyio.fail_after(5):
+            while b.transport.injected.writes_stalled and b.metrics.peer(0).failures == 0:
+                await anyio.sleep(0.02)                   # b's stalled copy has ended (failed)
+        slab = a.recv_slab.tensor.clone()
+        await anyio.sleep(0.05)
+        assert torch.equal(a.recv_slab.tensor, slab)      # b wrote nothing into a's slab late
+        await a.load({2: {0: {f"k{s}": s for s in range(20, 24)}}})
+        # b and c still talk to each other
+        await c.load({1: {0: {"k9": 9}}})
+    assert_same_bytes(caches[0][0][16:24], orig[2][0][16:24])
+    assert_same_bytes(caches[0][0][7:9], orig[0][0][7:9])
+    assert_same_bytes(caches[2][0][9], orig[1][0][9])
+
+
+async def test_peer_lost_after_n_writes_and_reconnect():
+    caches = three()
+    orig = [snapshot(c) for c in caches]
+    async with cluster(caches, cfg(), wrap={1: faulty(lose_peer_after_writes={0: 3})}) as (a, b, c):
+        publish(b)
+        publish(c)
+        await a.load({1: {0: {"k0": 0}}})
+        await a.load({1: {0: {"k1": 1}}})
+        with pytest.raises(PeerLostError):
+            await a.load({1: {0: {"k2": 2}}})
+        assert_same_bytes(caches[0][0][2], orig[0][0][2])
+        assert a.peers == (2,) and b.peers == (2,)
+        await a.load({2: {0: {"k3": 3}}})                 # c is unaffected
+        # the peer comes back: a fresh channel from full, registered again
+        await b.connect(a.address)
+        assert a.peers == (1, 2)
+        res = await a.load({1: {0: {"k2": 2}}})
+        assert res.wire_bytes == 16 * KiB and b.policy(0).state == "streak_1"
+    for s in (0, 1, 2):
+        assert_same_bytes(caches[0][0][s], orig[1][0][s])
+    assert_same_bytes(caches[0][0][3], orig[2][0][3])
+
+
+async def test_unresponsive_source_times_out_and_cannot_write_late():
+    caches = three()
+    orig = [snapshot(c) for c in caches]
+    async with cluster(caches, cfg(request_timeout=0.2), wrap={1: faulty()}) as (a, b, c):
+        publish(b)
+        publish(c)
+        b.transport.stall_next_writes(1, 0.6)
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError, match="did not complete"):
+            await a.load({1: {0: {"k4": 4}}})
+        assert time.monotonic() - t0 < 0.55
+        assert_same_bytes(caches[0][0][4], orig[0][0][4])
+        assert 1 not in a.peers
+        await a.load({2: {0: {"k5": 5}}})
+        slab = a.recv_slab.tensor.clone()
+        with anyio.fail_after(5):
+            while b.metrics.peer(0).failures == 0:        # b's late copy failed, not landed
+                await anyio.sleep(0.02)
+        assert torch.equal(a.recv_slab.tensor, slab)
+        await a.load({2: {0: {"k6": 6}}})
+    assert_same_bytes(caches[0][0][5:7], orig[2][0][5:7])
+
+
+async def test_closed_peer_is_dropped_and_others_keep_working():
+    caches = three()
+    orig = [snapshot(c) for c in caches]
+    async with cluster(caches, cfg()) as (a, b, c):
+        publish(b)
+        publish(c)
+        await b.aclose()
+        assert a.peers == (2,) and c.peers == (0,)
+        with pytest.raises(UnknownPeerError):
+            await a.load({1: {0: {"k1": 1}}})
+        await a.load({2: {0: {"k1": 1}}})
+    assert_same_bytes(caches[0][0][1], orig[2][0][1])
