@@ -69,25 +69,27 @@ async def test_dtypes_and_multi_layer_layouts(dtype):
 
 
 async def test_loads_both_ways_concurrently_do_not_deadlock():
-    ca = {0: random_cache(64, (64,), torch.float16, seed=1), 1: random_cache(64, (8,), torch.int8, seed=2)}
-    cb = {0: random_cache(64, (64,), torch.float16, seed=3), 1: random_cache(64, (8,), torch.int8, seed=4)}
+    # 1 KiB + 8 B blocks: a 20-block request needs two batches of the 16 KiB slab
+    ca = {0: random_cache(64, (512,), torch.float16, seed=1), 1: random_cache(64, (8,), torch.int8, seed=2)}
+    cb = {0: random_cache(64, (512,), torch.float16, seed=3), 1: random_cache(64, (8,), torch.int8, seed=4)}
     orig_a, orig_b = snapshot(ca), snapshot(cb)
     async with cluster([ca, cb]) as (a, b):
         # each side serves its first 32 slots and loads into its last 32
         publish_slots(a, range(32))
         publish_slots(b, range(32))
 
-        async def loader(ep, peer, offset):
+        async def loader(ep, peer):
             for i in range(32):
                 # alternate sizes: single blocks and multi-block (multi-batch) requests
                 keys = [f"k{(i + j) % 32}" for j in range(1 if i % 3 else 20)]
                 req = {layer: {k: 32 + int(k[1:]) for k in keys} for layer in (0, 1)}
-                await ep.load({peer: req})
+                res = await ep.load({peer: req})
+                assert res.batches == (1 if i % 3 else 2)
 
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(loader, a, 1, 0)
-                tg.start_soon(loader, b, 0, 0)
+                tg.start_soon(loader, a, 1)
+                tg.start_soon(loader, b, 0)
     for layer in (0, 1):
         assert_same_bytes(ca[layer][32:], orig_b[layer][:32])
         assert_same_bytes(cb[layer][32:], orig_a[layer][:32])

@@ -343,11 +343,11 @@ async def test_unresponsive_source_times_out_and_cannot_write_late():
     async with cluster(caches, cfg(request_timeout=0.2), wrap={1: faulty()}) as (a, b, c):
         publish(b)
         publish(c)
-        b.transport.stall_next_writes(1, 0.6)
+        b.transport.stall_next_writes(1, 1.0)
         t0 = time.monotonic()
         with pytest.raises(PeerLostError, match="did not complete"):
             await a.load({1: {0: {"k4": 4}}})
-        assert time.monotonic() - t0 < 0.55
+        assert 0.19 <= time.monotonic() - t0 < 0.8     # gave up after the timeout, not the stall
         assert_same_bytes(caches[0][0][4], orig[0][0][4])
         assert 1 not in a.peers
         await a.load({2: {0: {"k5": 5}}})
