@@ -4,6 +4,7 @@ a killed peer, and handshake errors. Each child process is one endpoint
 
 from __future__ import annotations
 
+import os
 import time
 
 import anyio
@@ -19,6 +20,15 @@ from xavier_async.peer_process import (LayoutSpec, PeerProcess, PeerSpec,  # noq
                                        all_bf16_patterns, check_loaded, pattern_caches,
                                        zero_caches, zero_slots)
 from xavier_async.transports.nixl import NixlTransport  # noqa: E402
+
+#: XAVIER_TEST_DEVICE=cuda runs the same tests VRAM to VRAM, one process per GPU (the parent
+#: on GPU 0, each child on GPU 1; every process sees both GPUs, as CUDA IPC needs); the
+#: default is DRAM.
+DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
+if DEVICE == "cuda" and torch.cuda.device_count() < 2:
+    pytest.skip("XAVIER_TEST_DEVICE=cuda needs two GPUs", allow_module_level=True)
+HERE = "cuda:0" if DEVICE == "cuda" else "cpu"
+CHILD = dict(device="cuda:1" if DEVICE == "cuda" else "cpu")
 
 SPEC = LayoutSpec(layers=3, num_slots=48, block_shape=(2, 16, 8, 64), dtype="bfloat16")  # 32 KiB blocks
 FULL, SMALL = 1 << 20, 64 << 10
@@ -45,12 +55,12 @@ def _small_req(src: int) -> dict:
 
 @pytest.fixture(scope="module")
 def child():
-    with PeerProcess(PeerSpec(rank=1, layout=SPEC, seed=SEED, config=CFG)) as p:
+    with PeerProcess(PeerSpec(rank=1, layout=SPEC, seed=SEED, config=CFG, **CHILD)) as p:
         yield p
 
 
 async def _parent(streak: int = 2) -> Endpoint:
-    caches = pattern_caches(SPEC, PARENT_RANK, SEED)
+    caches = pattern_caches(SPEC, PARENT_RANK, SEED, HERE)
     ep = Endpoint(PARENT_RANK, caches, NixlTransport(), EndpointConfig(**CFG, streak=streak))
     for slot in range(SPEC.num_slots):
         ep.publish(slot, slot)
@@ -92,13 +102,13 @@ async def test_loads_both_ways_bf16_bytes_and_views(child):
 async def test_bf16_every_bit_pattern_crosses_processes():
     """All 65,536 BF16 bit patterns, held by a child process, loaded bit-exactly."""
     spec = LayoutSpec(**{**SPEC.__dict__, "all_bf16_patterns": True})
-    with PeerProcess(PeerSpec(rank=3, layout=spec, seed=SEED, config=CFG)) as src:
-        async with Endpoint(0, zero_caches(spec), NixlTransport(), EndpointConfig(**CFG)) as ep:
+    with PeerProcess(PeerSpec(rank=3, layout=spec, seed=SEED, config=CFG, **CHILD)) as src:
+        async with Endpoint(0, zero_caches(spec, HERE), NixlTransport(), EndpointConfig(**CFG)) as ep:
             await ep.connect(src.address)
             blocks = 65536 // (spec.block_nbytes // 2)
             req = {3: {0: {k: DEST + k for k in range(blocks)}}}
             await ep.load(req)
-            got = ep.caches[0][DEST:DEST + blocks].reshape(-1)[:65536].view(torch.int16)
+            got = ep.caches[0][DEST:DEST + blocks].reshape(-1)[:65536].cpu().view(torch.int16)
             assert torch.equal(got, all_bf16_patterns().view(torch.int16))
             assert check_loaded(ep.caches, req, {3: pattern_caches(spec, 3, SEED)}) == blocks
 
@@ -153,7 +163,7 @@ async def test_four_seed_cases_zero_registrations_after_warmup(child):
 
 
 async def test_killed_peer_fails_fast_others_keep_working_restart_reconnects(child):
-    spec = PeerSpec(rank=2, layout=SPEC, seed=SEED, config=CFG)
+    spec = PeerSpec(rank=2, layout=SPEC, seed=SEED, config=CFG, **CHILD)
     victim = await anyio.to_thread.run_sync(PeerProcess, spec)
     try:
         async with await _parent() as ep:
@@ -200,10 +210,10 @@ async def test_bad_address_and_mismatches_give_clear_errors(child, monkeypatch):
         with pytest.raises(HandshakeError, match="cannot reach"):
             await ep.connect("127.0.0.1:1")
     other = LayoutSpec(layers=3, num_slots=48, block_shape=(2, 16, 8, 64), dtype="float16")
-    async with Endpoint(0, zero_caches(other), NixlTransport(), EndpointConfig(**CFG)) as ep:
+    async with Endpoint(0, zero_caches(other, HERE), NixlTransport(), EndpointConfig(**CFG)) as ep:
         with pytest.raises(LayoutMismatchError, match="layout mismatch"):
             await ep.connect(child.address)
-    async with Endpoint(0, zero_caches(SPEC), NixlTransport(),
+    async with Endpoint(0, zero_caches(SPEC, HERE), NixlTransport(),
                         EndpointConfig(full_bytes=2 * FULL, small_bytes=SMALL)) as ep:
         with pytest.raises(HandshakeError, match="slab size mismatch"):
             await ep.connect(child.address)

@@ -398,9 +398,9 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
             _fill_send_slab(ep, o.seed)
             return await body(LocalRig(ep, peer, layout))
     from .transports.nixl import NixlTransport
-    spec = PeerSpec(rank=PEER, layout=layout, seed=o.seed, device="cuda:0" if device == "cuda" else "cpu",
-                    config=cfg, cuda_visible="1" if device == "cuda" else None,
-                    torch_threads=1 if device == "cpu" else None)
+    # one process per GPU, each seeing both (CUDA IPC between them needs that)
+    spec = PeerSpec(rank=PEER, layout=layout, seed=o.seed, device="cuda:1" if device == "cuda" else "cpu",
+                    config=cfg, torch_threads=1 if device == "cpu" else None)
     peer_proc = await anyio.to_thread.run_sync(PeerProcess, spec)
     try:
         async with Endpoint(0, caches, NixlTransport(), EndpointConfig(**cfg)) as ep:

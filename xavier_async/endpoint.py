@@ -39,7 +39,7 @@ from .errors import (EndpointClosedError, HandshakeError, InvalidRequestError, P
                      XavierError)
 from .layout import BlockKey, CacheLayout, LayerId, check_key, check_layer_id, check_slot
 from .metrics import EndpointMetrics
-from .packing import gather, scatter
+from .packing import byte_rows, gather, scatter
 from .planning import Batch, LoadRequest, normalize, plan_batches, segments_from_wire
 from .policy import DEFAULT_STREAK, ChannelPolicy, check_size
 from .retry import RetryPolicy
@@ -156,6 +156,7 @@ class Endpoint:
         self.config = config if config is not None else EndpointConfig()
         self.layout = CacheLayout.of(caches)
         self.caches: dict[LayerId, torch.Tensor] = dict(caches)
+        self._rows = byte_rows(self.caches)  # the caches as uint8 rows: copies are bit-exact
         self.transport: Transport = transport if transport is not None else LocalTransport()
         self.metrics = EndpointMetrics()
         self._published: dict[LayerId, dict[BlockKey, int]] = {layer: {} for layer in self.caches}
@@ -486,7 +487,7 @@ class Endpoint:
 
     def _unpack(self, batch: Batch) -> None:
         assert self.recv_slab is not None
-        scatter(self.recv_slab.tensor, batch.segments, self.caches, self.layout)
+        scatter(self.recv_slab.tensor, batch.segments, self._rows)
 
     # -- serving (source side) ------------------------------------------------------------
     async def _serve_loop(self, inbox: MemoryObjectReceiveStream[tuple[int, Any]]) -> None:
@@ -534,7 +535,7 @@ class Endpoint:
 
     def _pack(self, segments: list[Any], slot_lists: list[list[int]]) -> None:
         assert self.send_slab is not None
-        gather(self.send_slab.tensor, segments, slot_lists, self.caches, self.layout)
+        gather(self.send_slab.tensor, segments, slot_lists, self._rows)
 
     # -- diagnostics --------------------------------------------------------------------
     async def copy_raw(self, peer: int, nbytes: int) -> int:

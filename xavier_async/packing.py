@@ -1,11 +1,16 @@
 """Moving blocks between cache tensors and a slab (gather on the source, scatter on the
 receiver).
 
+Everything is moved as raw bytes: each cache is viewed once as ``[num_slots, block_nbytes]``
+``uint8`` rows, so no copy can ever round values through another dtype (on CUDA,
+``torch._foreach_copy_`` of BF16 goes through float and rewrites NaN payloads; byte rows
+keep all 65,536 BF16 patterns exact).
+
 Each segment is split into runs of consecutive slots. Few runs (the common case: one block
-hash at the same slot in every layer) become plain slice copies, all issued in one
-``torch._foreach_copy_`` call (a single multi-tensor kernel on CUDA, one C++ loop on the
-CPU). Scattered slots fall back to ``index_select``/``index_copy_`` with explicit
-``torch.long`` indices, so an empty or odd index list can never turn into floats.
+hash at the same slot in every layer) become slice copies, all issued in one
+``torch._foreach_copy_`` call (one multi-tensor kernel on CUDA, one C++ loop on the CPU).
+Scattered slots use ``index_select``/``index_copy_`` with explicit ``torch.long`` indices,
+so an empty or odd index list can never turn into floats.
 """
 
 from __future__ import annotations
@@ -14,13 +19,20 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .layout import CacheLayout, LayerId
+from .layout import LayerId
 from .planning import Segment
 
 #: a segment with more runs of consecutive slots than this uses index ops instead of slices
 MAX_RUNS = 4
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+ByteRows = Mapping[LayerId, torch.Tensor]
+
+
+def byte_rows(caches: Mapping[LayerId, torch.Tensor]) -> dict[LayerId, torch.Tensor]:
+    """Each cache as ``[num_slots, block_nbytes]`` uint8 rows sharing its storage."""
+    return {layer: t.view(t.shape[0], -1).view(torch.uint8) for layer, t in caches.items()}
 
 
 def runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -35,10 +47,8 @@ def runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _segment_view(buf: torch.Tensor, seg: Segment, layout: CacheLayout, rows: int) -> torch.Tensor:
-    spec = layout.layers[seg.layer]
-    return buf[seg.offset:seg.offset + seg.block_nbytes * rows].view(spec.dtype).view(
-        rows, *spec.block_shape)
+def _segment_rows(buf: torch.Tensor, seg: Segment, rows: int) -> torch.Tensor:
+    return buf[seg.offset:seg.offset + seg.block_nbytes * rows].view(rows, seg.block_nbytes)
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -57,35 +67,34 @@ def _sync(device: torch.device) -> None:
 
 
 def gather(buf: torch.Tensor, segments: Sequence[Segment], slot_lists: Sequence[Sequence[int]],
-           caches: Mapping[LayerId, torch.Tensor], layout: CacheLayout) -> None:
-    """Source side: copy each segment's blocks from the caches into the slab."""
+           rows: ByteRows) -> None:
+    """Source side: copy each segment's blocks from the caches' byte rows into the slab."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
-    dev = layout.device
     for seg, slots in zip(segments, slot_lists):
-        out = _segment_view(buf, seg, layout, len(slots))
-        cache = caches[seg.layer]
+        out = _segment_rows(buf, seg, len(slots))
+        cache = rows[seg.layer]
         rs = runs(slots)
         if len(rs) <= MAX_RUNS:
             for row, slot, n in rs:
                 dsts.append(out[row:row + n])
                 srcs.append(cache[slot:slot + n])
         else:
-            torch.index_select(cache, 0, torch.tensor(slots, dtype=torch.long, device=dev), out=out)
+            torch.index_select(cache, 0, torch.tensor(slots, dtype=torch.long, device=buf.device),
+                               out=out)
     _copy_all(dsts, srcs)
-    _sync(dev)
+    _sync(buf.device)
 
 
-def scatter(buf: torch.Tensor, segments: Sequence[Segment], caches: Mapping[LayerId, torch.Tensor],
-            layout: CacheLayout) -> None:
+def scatter(buf: torch.Tensor, segments: Sequence[Segment], rows: ByteRows) -> None:
     """Receiver side: copy each segment's blocks from the slab into their slots (a key
     listed with several slots is written to each)."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
-    dev = layout.device
+    dev = buf.device
     for seg in segments:
-        src = _segment_view(buf, seg, layout, len(seg.keys))
-        cache = caches[seg.layer]
+        src = _segment_rows(buf, seg, len(seg.keys))
+        cache = rows[seg.layer]
         if all(len(s) == 1 for s in seg.slots):
             dst_slots = [s[0] for s in seg.slots]
             rs = runs(dst_slots)
@@ -98,8 +107,8 @@ def scatter(buf: torch.Tensor, segments: Sequence[Segment], caches: Mapping[Laye
             continue
         # one key feeds several slots
         dst = [slot for slots in seg.slots for slot in slots]
-        rows = [i for i, slots in enumerate(seg.slots) for _ in slots]
+        picks = [i for i, slots in enumerate(seg.slots) for _ in slots]
         cache.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dev),
-                          src.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev)))
+                          src.index_select(0, torch.tensor(picks, dtype=torch.long, device=dev)))
     _copy_all(dsts, srcs)
     _sync(dev)

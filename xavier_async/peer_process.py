@@ -125,6 +125,8 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
 
     if spec.torch_threads is not None:
         torch.set_num_threads(spec.torch_threads)
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec.device))
 
     async def main() -> None:
         caches = pattern_caches(spec.layout, spec.rank, spec.seed, spec.device)
