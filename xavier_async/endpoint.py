@@ -39,7 +39,7 @@ from .errors import (EndpointClosedError, HandshakeError, InvalidRequestError, P
                      XavierError)
 from .layout import BlockKey, CacheLayout, LayerId, check_key, check_layer_id, check_slot
 from .metrics import EndpointMetrics
-from .packing import byte_rows, gather, scatter
+from .packing import SlabRows, byte_rows, gather, scatter
 from .planning import Batch, LoadRequest, normalize, plan_batches, segments_from_wire
 from .policy import DEFAULT_STREAK, ChannelPolicy, check_size
 from .retry import RetryPolicy
@@ -184,6 +184,9 @@ class Endpoint:
         assert cfg.small_bytes is not None
         self.send_slab, self.recv_slab = allocate_slabs(cfg.full_bytes, cfg.small_bytes,
                                                         self.layout.device)
+        sizes = [spec.block_nbytes for spec in self.layout.layers.values()]
+        self._send_rows = SlabRows(self.send_slab.tensor, sizes)
+        self._recv_rows = SlabRows(self.recv_slab.tensor, sizes)
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
@@ -487,7 +490,7 @@ class Endpoint:
 
     def _unpack(self, batch: Batch) -> None:
         assert self.recv_slab is not None
-        scatter(self.recv_slab.tensor, batch.segments, self._rows)
+        scatter(self._recv_rows, batch.segments, self._rows)
 
     # -- serving (source side) ------------------------------------------------------------
     async def _serve_loop(self, inbox: MemoryObjectReceiveStream[tuple[int, Any]]) -> None:
@@ -535,7 +538,7 @@ class Endpoint:
 
     def _pack(self, segments: list[Any], slot_lists: list[list[int]]) -> None:
         assert self.send_slab is not None
-        gather(self.send_slab.tensor, segments, slot_lists, self._rows)
+        gather(self._send_rows, segments, slot_lists, self._rows)
 
     # -- diagnostics --------------------------------------------------------------------
     async def copy_raw(self, peer: int, nbytes: int) -> int:

@@ -9,12 +9,15 @@ keep all 65,536 BF16 patterns exact).
 Each segment is split into runs of consecutive slots. Few runs (the common case: one block
 hash at the same slot in every layer) become slice copies, all issued in one
 ``torch._foreach_copy_`` call (one multi-tensor kernel on CUDA, one C++ loop on the CPU).
-Scattered slots use ``index_select``/``index_copy_`` with explicit ``torch.long`` indices,
-so an empty or odd index list can never turn into floats.
+On the CPU the runs are ``memmove`` calls on addresses computed from validated slots and
+offsets (no tensor views at all: ~0.3 us a run instead of ~3 us). Scattered slots use
+``index_select``/``index_copy_`` with explicit ``torch.long`` indices, so an empty or odd
+index list can never turn into floats.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -26,6 +29,9 @@ from .planning import Segment
 MAX_RUNS = 4
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
+_memmove = ctypes.memmove
+#: use memmove for runs on the CPU (False forces the tensor path; the tests cover both)
+HOST_MEMMOVE = True
 
 ByteRows = Mapping[LayerId, torch.Tensor]
 
@@ -47,8 +53,23 @@ def runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _segment_rows(buf: torch.Tensor, seg: Segment, rows: int) -> torch.Tensor:
-    return buf[seg.offset:seg.offset + seg.block_nbytes * rows].view(rows, seg.block_nbytes)
+class SlabRows:
+    """A slab seen as rows of each block size of the layout, made once: a segment whose
+    offset is a whole number of blocks is then one slice, not a slice and two views."""
+
+    def __init__(self, buf: torch.Tensor, block_sizes: Sequence[int]) -> None:
+        self.buf = buf
+        self.device = buf.device
+        self.ptr = buf.data_ptr()
+        n = buf.numel()
+        self.by_size = {bn: buf[: n - n % bn].view(-1, bn) for bn in set(block_sizes)}
+
+    def segment(self, seg: Segment, rows: int) -> torch.Tensor:
+        bn = seg.block_nbytes
+        start, rem = divmod(seg.offset, bn)
+        if rem == 0:
+            return self.by_size[bn][start:start + rows]
+        return self.buf[seg.offset:seg.offset + bn * rows].view(rows, bn)
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -66,38 +87,50 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def gather(buf: torch.Tensor, segments: Sequence[Segment], slot_lists: Sequence[Sequence[int]],
+def gather(slab: SlabRows, segments: Sequence[Segment], slot_lists: Sequence[Sequence[int]],
            rows: ByteRows) -> None:
     """Source side: copy each segment's blocks from the caches' byte rows into the slab."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
+    dev = slab.device
+    host = dev.type == "cpu" and HOST_MEMMOVE
     for seg, slots in zip(segments, slot_lists):
-        out = _segment_rows(buf, seg, len(slots))
         cache = rows[seg.layer]
         rs = runs(slots)
+        if host and len(rs) <= MAX_RUNS:
+            bn, base, cbase = seg.block_nbytes, slab.ptr + seg.offset, cache.data_ptr()
+            for row, slot, n in rs:
+                _memmove(base + row * bn, cbase + slot * bn, n * bn)
+            continue
+        out = slab.segment(seg, len(slots))
         if len(rs) <= MAX_RUNS:
             for row, slot, n in rs:
                 dsts.append(out[row:row + n])
                 srcs.append(cache[slot:slot + n])
         else:
-            torch.index_select(cache, 0, torch.tensor(slots, dtype=torch.long, device=buf.device),
-                               out=out)
+            torch.index_select(cache, 0, torch.tensor(slots, dtype=torch.long, device=dev), out=out)
     _copy_all(dsts, srcs)
-    _sync(buf.device)
+    _sync(dev)
 
 
-def scatter(buf: torch.Tensor, segments: Sequence[Segment], rows: ByteRows) -> None:
+def scatter(slab: SlabRows, segments: Sequence[Segment], rows: ByteRows) -> None:
     """Receiver side: copy each segment's blocks from the slab into their slots (a key
     listed with several slots is written to each)."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
-    dev = buf.device
+    dev = slab.device
+    host = dev.type == "cpu" and HOST_MEMMOVE
     for seg in segments:
-        src = _segment_rows(buf, seg, len(seg.keys))
         cache = rows[seg.layer]
         if all(len(s) == 1 for s in seg.slots):
             dst_slots = [s[0] for s in seg.slots]
             rs = runs(dst_slots)
+            if host and len(rs) <= MAX_RUNS:
+                bn, base, cbase = seg.block_nbytes, slab.ptr + seg.offset, cache.data_ptr()
+                for row, slot, n in rs:
+                    _memmove(cbase + slot * bn, base + row * bn, n * bn)
+                continue
+            src = slab.segment(seg, len(seg.keys))
             if len(rs) <= MAX_RUNS:
                 for row, slot, n in rs:
                     dsts.append(cache[slot:slot + n])
@@ -106,6 +139,7 @@ def scatter(buf: torch.Tensor, segments: Sequence[Segment], rows: ByteRows) -> N
             cache.index_copy_(0, torch.tensor(dst_slots, dtype=torch.long, device=dev), src)
             continue
         # one key feeds several slots
+        src = slab.segment(seg, len(seg.keys))
         dst = [slot for slots in seg.slots for slot in slots]
         picks = [i for i, slots in enumerate(seg.slots) for _ in slots]
         cache.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dev),
