@@ -64,6 +64,15 @@ class SlabRows:
         n = buf.numel()
         self.by_size = {bn: buf[: n - n % bn].view(-1, bn) for bn in set(block_sizes)}
 
+    def run(self, seg: Segment, row: int, n: int) -> torch.Tensor:
+        """Rows ``row .. row+n`` of a segment (one slice when the offset is whole blocks)."""
+        bn = seg.block_nbytes
+        start, rem = divmod(seg.offset, bn)
+        if rem == 0:
+            return self.by_size[bn][start + row:start + row + n]
+        off = seg.offset + row * bn
+        return self.buf[off:off + n * bn].view(n, bn)
+
     def segment(self, seg: Segment, rows: int) -> torch.Tensor:
         bn = seg.block_nbytes
         start, rem = divmod(seg.offset, bn)
@@ -102,13 +111,13 @@ def gather(slab: SlabRows, segments: Sequence[Segment], slot_lists: Sequence[Seq
             for row, slot, n in rs:
                 _memmove(base + row * bn, cbase + slot * bn, n * bn)
             continue
-        out = slab.segment(seg, len(slots))
         if len(rs) <= MAX_RUNS:
             for row, slot, n in rs:
-                dsts.append(out[row:row + n])
+                dsts.append(slab.run(seg, row, n))
                 srcs.append(cache[slot:slot + n])
         else:
-            torch.index_select(cache, 0, torch.tensor(slots, dtype=torch.long, device=dev), out=out)
+            torch.index_select(cache, 0, torch.tensor(slots, dtype=torch.long, device=dev),
+                               out=slab.segment(seg, len(slots)))
     _copy_all(dsts, srcs)
     _sync(dev)
 
@@ -130,13 +139,13 @@ def scatter(slab: SlabRows, segments: Sequence[Segment], rows: ByteRows) -> None
                 for row, slot, n in rs:
                     _memmove(cbase + slot * bn, base + row * bn, n * bn)
                 continue
-            src = slab.segment(seg, len(seg.keys))
             if len(rs) <= MAX_RUNS:
                 for row, slot, n in rs:
                     dsts.append(cache[slot:slot + n])
-                    srcs.append(src[row:row + n])
+                    srcs.append(slab.run(seg, row, n))
                 continue
-            cache.index_copy_(0, torch.tensor(dst_slots, dtype=torch.long, device=dev), src)
+            cache.index_copy_(0, torch.tensor(dst_slots, dtype=torch.long, device=dev),
+                              slab.segment(seg, len(seg.keys)))
             continue
         # one key feeds several slots
         src = slab.segment(seg, len(seg.keys))
