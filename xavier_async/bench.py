@@ -66,6 +66,8 @@ class BenchOptions:
     seed: int = 0
     quick: bool = False
     progress: bool = True
+    #: pin this process and the peer to two different physical cores (>= 4 cores only)
+    pin_cpus: bool = True
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):
@@ -373,6 +375,8 @@ def environment(rig: Rig, device: str) -> dict[str, Any]:
     env: dict[str, Any] = {
         "xavier_async": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
         "platform": platform.platform(), "cpus": os.cpu_count(), "device": device,
+        "pinned_cpu": sorted(os.sched_getaffinity(0)) if len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
+        else None,
         **rig.describe(),
     }
     if device == "cuda":
@@ -399,9 +403,14 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
             _fill_send_slab(ep, o.seed)
             return await body(LocalRig(ep, peer, layout))
     from .transports.nixl import NixlTransport
-    # one process per GPU, each seeing both (CUDA IPC between them needs that)
+    # one process per GPU, each seeing both (CUDA IPC between them needs that); both poll,
+    # so on a machine large enough each gets its own physical core (no SMT sibling)
+    cpus = pick_cpus(2) if o.pin_cpus else None
     spec = PeerSpec(rank=PEER, layout=layout, seed=o.seed, device="cuda:1" if device == "cuda" else "cpu",
-                    config=cfg, torch_threads=1 if device == "cpu" else None)
+                    config=cfg, torch_threads=1 if device == "cpu" else None,
+                    cpus=[cpus[1]] if cpus else None)
+    if cpus:
+        os.sched_setaffinity(0, [cpus[0]])
     peer_proc = await anyio.to_thread.run_sync(PeerProcess, spec)
     try:
         async with Endpoint(0, caches, NixlTransport(), EndpointConfig(**cfg)) as ep:
@@ -410,6 +419,28 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
             return await body(NixlRig(ep, peer_proc, layout))
     finally:
         await anyio.to_thread.run_sync(peer_proc.close)
+
+
+def physical_cores() -> list[list[int]]:
+    """CPUs grouped by physical core (SMT siblings together), in CPU order."""
+    groups: dict[str, list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                key = f.read().strip()
+        except OSError:
+            key = str(cpu)
+        groups.setdefault(key, []).append(cpu)
+    return list(groups.values())
+
+
+def pick_cpus(n: int = 2) -> list[int] | None:
+    """One CPU on each of ``n`` different physical cores, leaving core 0 to the system
+    when there are enough; None on machines too small to pin (fewer than 4 cores)."""
+    cores = physical_cores()
+    if len(cores) < 4:
+        return None
+    return [cores[i + 1][0] for i in range(n)]
 
 
 def _fill_send_slab(ep: Endpoint, seed: int) -> None:

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--alloc-copies", type=_positive, default=10_000,
                    help="copies for the memory-growth check")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--no-pin", action="store_true",
+                   help="do not pin the two processes to separate physical cores")
     b.add_argument("--quick", action="store_true", help="small counts (CI); same sections")
     b.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the environment")
     b.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG (needs matplotlib)")
@@ -86,7 +88,8 @@ def _bench(args: argparse.Namespace) -> int:
         opts = BenchOptions(transport=args.transport, device=args.device, full_bytes=args.full,
                             small_bytes=args.small, copies=args.copies, loads=args.loads,
                             trace_batches=args.trace_batches, trace_large=args.trace_large,
-                            alloc_copies=args.alloc_copies, seed=args.seed, quick=args.quick)
+                            alloc_copies=args.alloc_copies, seed=args.seed, quick=args.quick,
+                            pin_cpus=not args.no_pin)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -167,6 +167,7 @@ class Endpoint:
         self._send_lock = anyio.Lock(fast_acquire=True)
         self._recv_lock = anyio.Lock(fast_acquire=True)
         self._inflight = 0
+        self._serving = False
         self._idle: anyio.Event | None = None
         self._state = "new"   # new -> open -> closing -> closed
         self._closed = anyio.Event()
@@ -357,13 +358,16 @@ class Endpoint:
             trimmed=cfg.trimmed, trim_align=cfg.trim_align)
         self._peer_hello[peer] = hello
 
-    def deliver(self, peer: int, msg: bytes) -> None:
+    def deliver(self, peer: int, msg: bytes, inline: bool = False) -> Awaitable[None] | None:
         try:
             tag, body = codec.decode(msg)
         except ValueError:
             log.warning("rank %d: dropped malformed message from rank %d", self.rank, peer)
-            return
+            return None
         if tag == codec.LOAD:
+            if (inline and not self._serving and self._inbox is not None
+                    and self._inbox.statistics().current_buffer_used == 0):
+                return self._serve(peer, body)  # served in the caller's task: no task switch
             if self._inbox is not None:
                 try:
                     self._inbox.send_nowait((peer, body))
@@ -371,11 +375,11 @@ class Endpoint:
                 except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
                     pass
             log.warning("rank %d: cannot serve rank %d now (closing)", self.rank, peer)
-            return
+            return None
         w = self._pending.get(body[0]) if isinstance(body, list) and body else None
         if w is None or w.peer != peer:
             log.debug("rank %d: stray %r from rank %d", self.rank, tag, peer)
-            return
+            return None
         if tag == codec.LANDED:
             w.wire_bytes = body[1]
             w.event.set()
@@ -505,6 +509,7 @@ class Endpoint:
             log.warning("rank %d: malformed LOAD from rank %d", self.rank, peer)
             return
         self._inflight += 1
+        self._serving = True
         try:
             try:
                 if self._state != "open":
@@ -534,6 +539,7 @@ class Endpoint:
                 except XavierError:
                     pass  # the peer is gone; it will notice on its own
         finally:
+            self._serving = False
             self._leave_work()
 
     def _pack(self, segments: list[Any], slot_lists: list[list[int]]) -> None:

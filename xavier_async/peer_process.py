@@ -114,6 +114,8 @@ class PeerSpec:
     cuda_visible: str | None = None
     #: torch intra-op threads in the child (1 avoids oversubscribing small CPU machines)
     torch_threads: int | None = None
+    #: pin the child to these CPUs (``os.sched_setaffinity``)
+    cpus: list[int] | None = None
 
 
 def _child(conn: Any, spec_d: dict[str, Any]) -> None:
@@ -125,6 +127,8 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
 
     if spec.torch_threads is not None:
         torch.set_num_threads(spec.torch_threads)
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))
 

@@ -520,7 +520,9 @@ class NixlTransport(Transport):
                     if rank is None:
                         continue
                     for msg in msgs:
-                        deliver(rank, msg)
+                        serving = deliver(rank, msg, True)
+                        if serving is not None:  # a load request, served right here
+                            await serving
                 await checkpoint()
             elif monotonic() - self._last_activity < self.hot_window:
                 # nothing yet: give the core to any other runnable process (often our peer,
