@@ -168,6 +168,7 @@ class Endpoint:
         self._recv_lock = anyio.Lock(fast_acquire=True)
         self._inflight = 0
         self._serving = False
+        self._unpacked: torch.cuda.Event | None = None
         self._idle: anyio.Event | None = None
         self._state = "new"   # new -> open -> closing -> closed
         self._closed = anyio.Event()
@@ -431,7 +432,12 @@ class Endpoint:
     async def load(self, requests: LoadRequest | Iterable[LoadRequest]) -> LoadResult:
         """Load blocks ``{source rank: {layer: {block key: slot or [slots]}}}`` into the
         local caches. Several requests may be passed as a list; they are merged. Every
-        check runs before any byte moves."""
+        check runs before any byte moves.
+
+        On CUDA caches the blocks are written by copies enqueued on the current stream of
+        the caches' device, and ``load`` returns once they are enqueued: work on that
+        stream (the model's forward pass, ``tensor.cpu()``) sees them; another stream must
+        wait on it first, as with any asynchronous CUDA copy."""
         self._check_open()
         plans = normalize(requests, self.layout)
         batches: list[tuple[int, Batch]] = []
@@ -456,6 +462,7 @@ class Endpoint:
     async def _load_batch(self, src: int, batch: Batch) -> int:
         m = self.metrics.peer(src)
         async with self._recv_lock:
+            self._recv_slab_free()
             req_id = next(self._ids)
             waiter = self._pending[req_id] = _Waiter(src)
             held: BaseException | None = None  # a native cancellation, re-raised afterwards
@@ -493,8 +500,15 @@ class Endpoint:
             return waiter.wire_bytes
 
     def _unpack(self, batch: Batch) -> None:
-        assert self.recv_slab is not None
-        scatter(self._recv_rows, batch.segments, self._rows)
+        # On CUDA the unpack is only enqueued on the caches' current stream (work on that
+        # stream sees the blocks); the receive slab is reused only after it has run.
+        self._unpacked = scatter(self._recv_rows, batch.segments, self._rows, wait=False)
+
+    def _recv_slab_free(self) -> None:
+        """Wait for the last unpack to have read the receive slab (CUDA only)."""
+        if self._unpacked is not None:
+            self._unpacked.synchronize()
+            self._unpacked = None
 
     # -- serving (source side) ------------------------------------------------------------
     async def _serve_loop(self, inbox: MemoryObjectReceiveStream[tuple[int, Any]]) -> None:

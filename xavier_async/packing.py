@@ -84,7 +84,9 @@ class SlabRows:
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     if not dsts:
         return
-    if _foreach_copy is not None:
+    if len(dsts) == 1:
+        dsts[0].copy_(srcs[0])
+    elif _foreach_copy is not None:
         _foreach_copy(dsts, srcs)
     else:  # pragma: no cover - very old torch
         for d, s in zip(dsts, srcs):
@@ -122,9 +124,14 @@ def gather(slab: SlabRows, segments: Sequence[Segment], slot_lists: Sequence[Seq
     _sync(dev)
 
 
-def scatter(slab: SlabRows, segments: Sequence[Segment], rows: ByteRows) -> None:
+def scatter(slab: SlabRows, segments: Sequence[Segment], rows: ByteRows,
+            wait: bool = True) -> torch.cuda.Event | None:
     """Receiver side: copy each segment's blocks from the slab into their slots (a key
-    listed with several slots is written to each)."""
+    listed with several slots is written to each).
+
+    On CUDA with ``wait=False`` the copies are only enqueued on the current stream and an
+    event recorded after them is returned: the slab must not be written again before that
+    event has completed."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
     dev = slab.device
@@ -154,4 +161,9 @@ def scatter(slab: SlabRows, segments: Sequence[Segment], rows: ByteRows) -> None
         cache.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dev),
                           src.index_select(0, torch.tensor(picks, dtype=torch.long, device=dev)))
     _copy_all(dsts, srcs)
+    if dev.type == "cuda" and not wait:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dev))
+        return event
     _sync(dev)
+    return None

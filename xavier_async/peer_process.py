@@ -116,6 +116,10 @@ class PeerSpec:
     torch_threads: int | None = None
     #: pin the child to these CPUs (``os.sched_setaffinity``)
     cpus: list[int] | None = None
+    #: command prefix, e.g. ``["ip", "netns", "exec", "ns1"]`` to run it on another "host"
+    wrapper: list[str] | None = None
+    #: extra environment variables for the child (e.g. ``UCX_TLS``)
+    env: dict[str, str] | None = None
 
 
 def _child(conn: Any, spec_d: dict[str, Any]) -> None:
@@ -180,12 +184,12 @@ class PeerProcess:
     def __init__(self, spec: PeerSpec, start_timeout: float = 60.0) -> None:
         mine, theirs = socket.socketpair()
         self.spec = spec
-        env = dict(os.environ)
+        env = {**os.environ, **(spec.env or {})}
         if spec.cuda_visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "xavier_async.peer_process", str(theirs.fileno()),
-             json.dumps(asdict(spec))], pass_fds=(theirs.fileno(),), env=env)
+            [*(spec.wrapper or []), sys.executable, "-m", "xavier_async.peer_process",
+             str(theirs.fileno()), json.dumps(asdict(spec))], pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         self._conn = Connection(mine.detach())
         try:
