@@ -235,3 +235,18 @@ async def test_close_deregisters_and_peer_notices(child):
     async with await _parent() as ep2:
         assert await ep2.connect(child.address) == 1
         await _load_checked(ep2, _req(1, [4, 5]))
+
+
+async def test_stream_ordered_unpack_reuses_the_slab_only_after_the_unpack(child):
+    """Back-to-back loads with stream_ordered_unpack: each batch overwrites the receive
+    slab, so an unpack still reading it when the next copy lands would corrupt blocks (on
+    CUDA; on the CPU the unpack is synchronous either way)."""
+    caches = pattern_caches(SPEC, PARENT_RANK, SEED, HERE)
+    cfg = EndpointConfig(**CFG, stream_ordered_unpack=True)
+    async with Endpoint(PARENT_RANK, caches, NixlTransport(), cfg) as ep:
+        await ep.connect(child.address)
+        reqs = [_req(1, [k, k + 1, k + 2]) for k in range(0, 27, 3)]
+        for req in reqs:
+            zero_slots(ep.caches, req)
+            await ep.load(req)
+            assert check_loaded(ep.caches, req, {1: pattern_caches(SPEC, 1, SEED)}) == 9

@@ -62,7 +62,9 @@ class EndpointConfig:
     ``trim_align`` instead of the whole chosen view. ``request_timeout``: how long a
     receiver waits for a started copy before declaring the source lost.
     ``accept_raw_copies``: let peers call :meth:`Endpoint.copy_raw` into our receive slab
-    (benchmarks and health checks only).
+    (benchmarks and health checks only). ``stream_ordered_unpack``: on CUDA, let
+    :meth:`Endpoint.load` return once the unpack is enqueued on the caches' current
+    stream instead of waiting for it (saves a device synchronization per batch).
     """
 
     full_bytes: int = 12 * 1024 * 1024
@@ -73,6 +75,7 @@ class EndpointConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     request_timeout: float = 30.0
     accept_raw_copies: bool = False
+    stream_ordered_unpack: bool = False
 
     def __post_init__(self) -> None:
         full, small = slab_sizes(self.full_bytes, self.small_bytes)
@@ -434,10 +437,11 @@ class Endpoint:
         local caches. Several requests may be passed as a list; they are merged. Every
         check runs before any byte moves.
 
-        On CUDA caches the blocks are written by copies enqueued on the current stream of
-        the caches' device, and ``load`` returns once they are enqueued: work on that
-        stream (the model's forward pass, ``tensor.cpu()``) sees them; another stream must
-        wait on it first, as with any asynchronous CUDA copy."""
+        On CUDA caches ``load`` returns once the blocks are in their slots (the unpack is
+        synchronized). With ``EndpointConfig(stream_ordered_unpack=True)`` it returns as
+        soon as the unpack is enqueued on the current stream of the caches' device: work
+        on that stream sees the blocks, another stream must wait on it first, as with any
+        asynchronous CUDA copy."""
         self._check_open()
         plans = normalize(requests, self.layout)
         batches: list[tuple[int, Batch]] = []
@@ -500,9 +504,10 @@ class Endpoint:
             return waiter.wire_bytes
 
     def _unpack(self, batch: Batch) -> None:
-        # On CUDA the unpack is only enqueued on the caches' current stream (work on that
-        # stream sees the blocks); the receive slab is reused only after it has run.
-        self._unpacked = scatter(self._recv_rows, batch.segments, self._rows, wait=False)
+        # stream-ordered: only enqueued on the caches' current stream; the receive slab is
+        # then reused only after that unpack has run (_recv_slab_free)
+        self._unpacked = scatter(self._recv_rows, batch.segments, self._rows,
+                                 wait=not self.config.stream_ordered_unpack)
 
     def _recv_slab_free(self) -> None:
         """Wait for the last unpack to have read the receive slab (CUDA only)."""
