@@ -372,3 +372,30 @@ async def test_closed_peer_is_dropped_and_others_keep_working():
             await a.load({1: {0: {"k1": 1}}})
         await a.load({2: {0: {"k1": 1}}})
     assert_same_bytes(caches[0][0][1], orig[2][0][1])
+
+
+async def test_malformed_requests_from_a_peer_are_refused_and_the_source_keeps_serving():
+    """A peer that sends garbage gets an error reply; the source's endpoint survives."""
+    from xavier_async import Endpoint, LocalFabric, RemoteError, codec
+    from xavier_async.endpoint import _Waiter
+
+    fabric = LocalFabric()
+    src = {0: torch.arange(64, dtype=torch.float32).view(8, 8)}
+    dst = {0: torch.zeros(8, 8)}
+    cfg = EndpointConfig(full_bytes=4096, small_bytes=1024)
+    async with Endpoint(0, src, fabric.transport(), cfg) as a, \
+            Endpoint(1, dst, fabric.transport(), cfg) as b:
+        await b.connect(a.address)
+        a.publish("k", 3)
+        for body in ([1, [[0, [[1, 2]]]]],      # an unhashable key
+                     [2, [[[0], ["k"]]]],        # an unhashable layer
+                     [3, [[0, 7]]],              # keys that are not a list
+                     [4, "nonsense"]):
+            waiter = b._pending[body[0]] = _Waiter(0)  # as if b had sent this request
+            await b.transport.send(0, codec.encode(codec.LOAD, body))
+            with anyio.fail_after(5):
+                await waiter.event.wait()
+            assert isinstance(waiter.error, RemoteError), body
+            b._pending.pop(body[0])
+        await b.load({0: {0: {"k": 5}}})
+        assert torch.equal(dst[0][5], src[0][3])

@@ -534,15 +534,21 @@ class Endpoint:
                 if self._state != "open":
                     raise EndpointClosedError(f"rank {self.rank} is closing")
                 ch = self.channel(peer)
-                segments, payload = segments_from_wire(wire, self.layout)
+                try:
+                    segments, payload = segments_from_wire(wire, self.layout)
+                except (TypeError, ValueError) as exc:  # a malformed request from the peer
+                    raise InvalidRequestError(f"malformed load request: {exc}") from None
                 slot_lists = []
                 for seg in segments:
                     table = self._published[seg.layer]
-                    missing = [k for k in seg.keys if k not in table]
-                    if missing:
+                    try:
+                        slot_lists.append([table[k] for k in seg.keys])
+                    except (KeyError, TypeError):  # unknown or unhashable keys
+                        missing = [k for k in seg.keys
+                                   if not isinstance(k, (int, str, bytes)) or k not in table]
                         raise InvalidRequestError(
-                            f"block key(s) {missing[:4]!r} not published in layer {seg.layer!r}")
-                    slot_lists.append([table[k] for k in seg.keys])
+                            f"block key(s) {missing[:4]!r} not published in layer {seg.layer!r}"
+                        ) from None
                 if payload > self.config.full_bytes:
                     raise InvalidRequestError(f"batch of {payload} B exceeds the full slab")
                 async with self._send_lock:

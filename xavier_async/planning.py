@@ -66,13 +66,19 @@ class Batch:
         return out
 
 
+def _conflict(layer: LayerId, slot: int, prev: tuple[int, BlockKey], src: int, key: BlockKey) -> None:
+    raise InvalidRequestError(
+        f"conflicting destinations: slot {slot} of layer {layer!r} is targeted by key "
+        f"{prev[1]!r} from rank {prev[0]} and by key {key!r} from rank {src}")
+
+
 def normalize(requests: LoadRequest | Iterable[LoadRequest], layout: CacheLayout,
               ) -> dict[int, SourcePlan]:
     """Merge one or several requests and validate them all before any byte moves."""
     if isinstance(requests, Mapping):
         requests = [requests]
     merged: dict[int, SourcePlan] = {}
-    owner: dict[tuple[LayerId, int], tuple[int, BlockKey]] = {}
+    owner: dict[LayerId, dict[int, tuple[int, BlockKey]]] = {}  # layer -> slot -> (src, key)
     for req in requests:
         if not isinstance(req, Mapping):
             raise InvalidRequestError(f"a load request must be a mapping, got {type(req).__name__}")
@@ -90,20 +96,31 @@ def normalize(requests: LoadRequest | Iterable[LoadRequest], layout: CacheLayout
                 if not isinstance(blocks, Mapping):
                     raise InvalidRequestError(f"blocks for layer {layer!r} must map key -> slot")
                 per_layer = per_src.setdefault(layer, {})
+                owned = owner.setdefault(layer, {})
+                nslots = spec.num_slots
                 for key, slots in blocks.items():
-                    check_key(key)
+                    tk = type(key)
+                    if tk is not int and tk is not str and tk is not bytes:
+                        check_key(key)
+                    if type(slots) is int and 0 <= slots < nslots:  # the common case, fast
+                        prev = owned.setdefault(slots, (src, key))
+                        if prev[1] != key or prev[0] != src:
+                            _conflict(layer, slots, prev, src, key)
+                        old = per_layer.get(key)
+                        if old is None:
+                            per_layer[key] = (slots,)
+                        elif slots not in old:
+                            per_layer[key] = old + (slots,)
+                        continue
                     slot_list = (slots,) if isinstance(slots, int) and not isinstance(slots, bool) \
                         else tuple(slots) if isinstance(slots, (list, tuple)) else (slots,)
                     if not slot_list:
                         raise InvalidRequestError(f"key {key!r} in layer {layer!r} names no slot")
                     for slot in slot_list:
                         check_slot(slot, spec, layer)
-                        prev = owner.setdefault((layer, slot), (src, key))
-                        if prev != (src, key):
-                            raise InvalidRequestError(
-                                f"conflicting destinations: slot {slot} of layer {layer!r} is "
-                                f"targeted by key {prev[1]!r} from rank {prev[0]} and by key "
-                                f"{key!r} from rank {src}")
+                        prev = owned.setdefault(slot, (src, key))
+                        if prev[1] != key or prev[0] != src:
+                            _conflict(layer, slot, prev, src, key)
                     old = per_layer.get(key, ())
                     per_layer[key] = old + tuple(s for s in slot_list if s not in old)
     return merged
@@ -120,7 +137,9 @@ def segment_offsets(items: Iterable[tuple[int, int]]) -> tuple[list[int], int]:
 
 
 def plan_batches(plan: SourcePlan, layout: CacheLayout, full_bytes: int) -> list[Batch]:
-    """Pack one source's blocks greedily into batches of at most ``full_bytes``."""
+    """Pack one source's blocks greedily, in request order, into batches of at most
+    ``full_bytes`` (a segment is cut where the slab is full and continues in the next
+    batch)."""
     batches: list[Batch] = []
     segs: list[Segment] = []
     off = 0
@@ -129,21 +148,20 @@ def plan_batches(plan: SourcePlan, layout: CacheLayout, full_bytes: int) -> list
         if bn > full_bytes:
             raise InvalidRequestError(
                 f"a block of layer {layer!r} ({bn} B) is larger than the full slab ({full_bytes} B)")
-        keys: list[BlockKey] = []
-        slots: list[tuple[int, ...]] = []
-        start = align_up(off, SEGMENT_ALIGN)
-        for key, key_slots in blocks.items():
-            if start + (len(keys) + 1) * bn > full_bytes:
-                if keys:
-                    segs.append(Segment(layer, tuple(keys), start, bn, tuple(slots)))
-                    off = start + len(keys) * bn
+        keys = list(blocks)
+        slots = list(blocks.values())
+        i, n = 0, len(keys)
+        while i < n:
+            start = align_up(off, SEGMENT_ALIGN)
+            room = (full_bytes - start) // bn if start < full_bytes else 0
+            if room <= 0:  # this batch is full: start the next one
                 batches.append(Batch(tuple(segs), off))
-                segs, keys, slots, off, start = [], [], [], 0, 0
-            keys.append(key)
-            slots.append(key_slots)
-        if keys:
-            segs.append(Segment(layer, tuple(keys), start, bn, tuple(slots)))
-            off = start + len(keys) * bn
+                segs, off = [], 0
+                continue
+            take = min(room, n - i)
+            segs.append(Segment(layer, tuple(keys[i:i + take]), start, bn, tuple(slots[i:i + take])))
+            off = start + take * bn
+            i += take
     if segs:
         batches.append(Batch(tuple(segs), off))
     return batches
