@@ -336,6 +336,14 @@ class Endpoint:
                 "accept_raw_copies": cfg.accept_raw_copies, "device": self.layout.device.type}
 
     def check_hello(self, hello: dict[str, Any]) -> None:
+        try:
+            self._check_hello(hello)
+        except XavierError:
+            raise
+        except (AttributeError, TypeError, ValueError, KeyError) as exc:
+            raise HandshakeError(f"malformed handshake from peer: {exc!r}") from None
+
+    def _check_hello(self, hello: dict[str, Any]) -> None:
         if hello.get("version") != PROTOCOL_VERSION:
             raise HandshakeError(
                 f"protocol version mismatch: local {PROTOCOL_VERSION}, peer {hello.get('version')!r}")
@@ -375,23 +383,27 @@ class Endpoint:
             if self._inbox is not None:
                 try:
                     self._inbox.send_nowait((peer, body))
-                    return
+                    return None
                 except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
                     pass
             log.warning("rank %d: cannot serve rank %d now (closing)", self.rank, peer)
             return None
-        w = self._pending.get(body[0]) if isinstance(body, list) and body else None
-        if w is None or w.peer != peer:
-            log.debug("rank %d: stray %r from rank %d", self.rank, tag, peer)
-            return None
-        if tag == codec.LANDED:
-            w.wire_bytes = body[1]
-            w.event.set()
-        elif tag == codec.ERROR:
-            kind, text = body[1], body[2]
-            cls = {"transfer": TransferError, "lost": PeerLostError,
-                   "registration": RegistrationError}.get(kind, RemoteError)
-            w.fail(cls(f"rank {peer}: {text}"))
+        try:
+            w = self._pending.get(body[0]) if isinstance(body, list) and body else None
+            if w is None or w.peer != peer:
+                log.debug("rank %d: stray %r from rank %d", self.rank, tag, peer)
+                return None
+            if tag == codec.LANDED:
+                w.wire_bytes = int(body[1])
+                w.event.set()
+            elif tag == codec.ERROR:
+                kind, text = body[1], body[2]
+                cls = {"transfer": TransferError, "lost": PeerLostError,
+                       "registration": RegistrationError}.get(kind, RemoteError)
+                w.fail(cls(f"rank {peer}: {text}"))
+        except (IndexError, TypeError, ValueError):
+            log.warning("rank %d: dropped malformed %r from rank %d", self.rank, tag, peer)
+        return None
 
     def peer_lost(self, peer: int, exc: BaseException) -> None:
         for w in list(self._pending.values()):
