@@ -68,10 +68,15 @@ class BenchOptions:
     progress: bool = True
     #: pin this process and the peer to two different physical cores (>= 4 cores only)
     pin_cpus: bool = True
+    #: also run the seed's four cases through an anchor (``"xoscar"``: xoscar's copy_to
+    #: over NIXL, two processes; needs ``pip install 'xavier-async[xoscar]'``)
+    compare: str | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):
             raise ValueError(f"transport must be 'nixl' or 'local', got {self.transport!r}")
+        if self.compare not in (None, "xoscar"):
+            raise ValueError(f"compare must be None or 'xoscar', got {self.compare!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         for name in ("full_bytes", "small_bytes", "copies", "warmup", "loads", "trace_batches",
@@ -486,7 +491,28 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         res["elapsed_s"] = time.perf_counter() - t0
         return res
 
-    return await _with_rig(o, body)
+    res = await _with_rig(o, body)
+    if o.compare == "xoscar":
+        # After our rig is closed (its peer process gone), so the anchor runs on a quiet
+        # machine; its ratios are against the floor measured above.
+        report("xoscar compare")
+        res["compare"] = {"xoscar": await compare_xoscar(o, res, device)}
+    return res
+
+
+async def compare_xoscar(o: BenchOptions, res: dict[str, Any], device: str) -> dict[str, Any]:
+    """The seed's four cases through xoscar's copy_to (see :mod:`.anchor_xoscar`), with
+    the speedup over our numbers of the same run; ``{"error": ...}`` if it cannot run."""
+    from . import anchor_xoscar
+    if not anchor_xoscar.available():
+        return {"error": "xoscar is not installed: pip install 'xavier-async[xoscar]'"}
+    try:
+        xo = await anchor_xoscar.run_cases(o, res["floor"], device=device,
+                                           cpus=pick_cpus(2) if o.pin_cpus else None)
+    except Exception as exc:  # report it next to our numbers instead of losing the run
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    xo["speedup_vs_xavier"] = anchor_xoscar.compare_with(res["seed_cases"], xo)
+    return xo
 
 
 def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small counts (CI); same sections")
     b.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the environment")
     b.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG (needs matplotlib)")
-    b.add_argument("--compare", choices=("xoscar",), help="not available in this release (see docs)")
+    b.add_argument("--compare", choices=("xoscar",),
+                   help="also run the four channel cases through xoscar's copy_to over NIXL (two "
+                        "processes, same sizes and counts), side by side; needs "
+                        "pip install 'xavier-async[xoscar]'")
     return p
 
 
@@ -80,16 +83,18 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench import BenchOptions, run
 
-    if args.compare:
-        print("--compare xoscar is not implemented in this release; see docs/benchmarks.md for "
-              "the anchor figures measured side by side.", file=sys.stderr)
-        return 2
+    if args.compare == "xoscar":
+        from .anchor_xoscar import available
+        if not available():
+            print("--compare xoscar needs xoscar (with its NIXL channel): "
+                  "pip install 'xavier-async[xoscar]'", file=sys.stderr)
+            return 2
     try:
         opts = BenchOptions(transport=args.transport, device=args.device, full_bytes=args.full,
                             small_bytes=args.small, copies=args.copies, loads=args.loads,
                             trace_batches=args.trace_batches, trace_large=args.trace_large,
                             alloc_copies=args.alloc_copies, seed=args.seed, quick=args.quick,
-                            pin_cpus=not args.no_pin)
+                            pin_cpus=not args.no_pin, compare=args.compare)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2
@@ -102,7 +107,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     console = _console()
     sections = ["floor", "seed cases", "end-to-end loads", "trace replay", "decision cost",
-                "memory growth"]
+                "memory growth"] + (["xoscar compare"] if opts.compare else [])
     if console is not None:
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -123,6 +128,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot is not None:
         plot(result, args.plot)
         print(f"wrote {args.plot}")
+    xo = result.get("compare", {}).get("xoscar")
+    if xo is not None and "error" in xo:
+        print(f"--compare xoscar failed: {xo['error']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -160,7 +169,7 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
                   for k, v in tr.items() if isinstance(v, dict)]
     target_rows = [[k, f"{v['value']:.3g}", f"<= {v['limit']:.3g}", "met" if v["met"] else "MISSED"]
                    for k, v in r["targets"].items()]
-    return [
+    tables = [
         (f"Floor ({fl['kind']}, per copy, us; full={o['full_bytes']} B, small={o['small_bytes']} B)",
          floor_rows, ["size", "median", "p95", "median at end"]),
         ("Seed cases: channel copies (ratio: median/floor, or mean/floor when sizes alternate)",
@@ -176,7 +185,33 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
          f"over {r['memory']['copies']} copies: host {r['memory']['rss_growth_bytes']} B, device "
          f"{r['memory']['device_growth_bytes']} B", target_rows, ["target", "value", "limit", ""]),
     ]
+    xo = r.get("compare", {}).get("xoscar")
+    if xo is not None:
+        tables.append(_compare_rows(sc, xo))
+    return tables
 
+
+def _compare_rows(sc: dict[str, Any], xo: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
+    """Side by side: our channel copies vs xoscar's copy_to, per seed case."""
+    if "error" in xo:
+        return ("Anchor: xoscar copy_to (did not run)", [[xo["error"]]], ["error"])
+    rows = []
+    for c in ("always_full", "alternating_size_only", "alternating_streak", "sustained_small"):
+        for who, x in (("xavier", sc[c]), ("xoscar", xo["cases"][c])):
+            ratio = x.get("ratio_median_to_floor", x["ratio_mean_to_floor"])
+            speedup = x["median_us"] / sc[c]["median_us"]
+            rows.append([c if who == "xavier" else "", who, f"{x['median_us']:.1f}", f"{x['p95_us']:.1f}",
+                         f"{x['mean_us']:.1f}", f"{ratio:.2f}x",
+                         str(x["registrations_after_warmup"] + x["peer_registrations_after_warmup"]),
+                         f"{x['wire_bytes'] / max(1, x['useful_bytes']):.3f}",
+                         f"{speedup:.1f}x" if who == "xoscar" else "",
+                         "yes" if x["bytes_verified"] else "NO"])
+    title = (f"Anchor, side by side ({xo['cases']['always_full']['copies']} copies per case, two "
+             f"processes): xavier channel copy vs {xo['transport']}. vs floor: median/floor (mean/floor "
+             "when sizes alternate); regs: both ends after warm-up (xoscar's: NixlChannel._register "
+             "calls that re-registered, wrapped in both processes); xoscar/xavier: median over median")
+    return (title, rows, ["case", "path", "median us", "p95 us", "mean us", "vs floor", "regs after warm-up",
+                          "wire/useful", "xoscar/xavier", "bytes ok"])
 
 def print_report(r: dict[str, Any], console: Any = None) -> None:
     env = r["environment"]
@@ -220,9 +255,15 @@ def plot(r: dict[str, Any], path: Path) -> None:
     colors = ["#999999", "#bbbbbb", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"]
     ax1.bar(names, med, color=colors, label="median")
     ax1.scatter(names, p95, color="black", marker="_", s=300, label="p95", zorder=3)
+    xo = r.get("compare", {}).get("xoscar")
+    if xo is not None and "cases" in xo:
+        cases = ("always_full", "alternating_size_only", "alternating_streak", "sustained_small")
+        ax1.scatter(names[2:], [xo["cases"][c]["median_us"] for c in cases], color="#d62728",
+                    marker="D", s=60, label="xoscar copy_to median", zorder=4)
     ax1.set_yscale("log")
     ax1.set_ylabel("per copy (us, log)")
-    ax1.set_title(f"Channel copies vs floor ({r['environment']['transport']}, {r['environment']['device']})")
+    ax1.set_title(f"Channel copies vs floor ({r['environment']['transport']}, {r['environment']['device']})"
+                  + (" and xoscar" if xo is not None and "cases" in xo else ""))
     ax1.tick_params(axis="x", rotation=25)
     ax1.legend()
     modes = [k for k, v in tr.items() if isinstance(v, dict)]
