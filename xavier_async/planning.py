@@ -11,8 +11,7 @@ from the same layout, so only the keys cross the wire.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from .errors import InvalidRequestError
 from .layout import (SEGMENT_ALIGN, BlockKey, CacheLayout, LayerId, align_up, check_key,
@@ -25,9 +24,9 @@ LoadRequest = Mapping[int, Mapping[LayerId, Mapping[BlockKey, SlotSpec]]]
 SourcePlan = dict[LayerId, dict[BlockKey, tuple[int, ...]]]
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Consecutive blocks of one layer inside a batch."""
+class Segment(NamedTuple):
+    """Consecutive blocks of one layer inside a batch (a named tuple: made per layer per
+    batch on the hot path, so it must be cheap to build)."""
 
     layer: LayerId
     keys: tuple[BlockKey, ...]
@@ -41,8 +40,7 @@ class Segment:
         return self.block_nbytes * len(self.keys)
 
 
-@dataclass(frozen=True)
-class Batch:
+class Batch(NamedTuple):
     """One copy: segments packed from offset 0; ``nbytes`` is the payload end."""
 
     segments: tuple[Segment, ...]
@@ -148,9 +146,16 @@ def plan_batches(plan: SourcePlan, layout: CacheLayout, full_bytes: int) -> list
         if bn > full_bytes:
             raise InvalidRequestError(
                 f"a block of layer {layer!r} ({bn} B) is larger than the full slab ({full_bytes} B)")
+        n = len(blocks)
+        start = align_up(off, SEGMENT_ALIGN)
+        if start + n * bn <= full_bytes:  # the whole layer fits in this batch (common case)
+            if n:
+                segs.append(Segment(layer, tuple(blocks), start, bn, tuple(blocks.values())))
+                off = start + n * bn
+            continue
         keys = list(blocks)
         slots = list(blocks.values())
-        i, n = 0, len(keys)
+        i = 0
         while i < n:
             start = align_up(off, SEGMENT_ALIGN)
             room = (full_bytes - start) // bn if start < full_bytes else 0
