@@ -1,6 +1,9 @@
-"""Two "hosts" on one machine: a network namespace joined to this one by a veth pair, and
-UCX restricted to TCP on that link (no shared memory), so the copy takes the path it takes
-between machines. Needs root and iproute2; skipped otherwise."""
+"""Two "hosts" on one machine: two network namespaces joined by a veth pair, one endpoint
+process in each, and UCX restricted to TCP on that link (no shared memory), so copies take
+the path they take between machines. Needs root and iproute2; skipped otherwise.
+
+Both endpoints are child processes: UCX enumerates network devices once per process, so a
+process that used UCX before the veth existed could not use it."""
 
 from __future__ import annotations
 
@@ -14,11 +17,7 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from xavier_async import (Endpoint, EndpointConfig, HandshakeError, PeerLostError,  # noqa: E402
-                          UnknownPeerError)
-from xavier_async.peer_process import (LayoutSpec, PeerProcess, PeerSpec, check_loaded,  # noqa: E402
-                                       pattern_caches, zero_slots)
-from xavier_async.transports.nixl import NixlTransport  # noqa: E402
+from xavier_async.peer_process import LayoutSpec, PeerProcess, PeerSpec  # noqa: E402
 
 SPEC = LayoutSpec(layers=2, num_slots=32, block_shape=(2, 16, 8, 64), dtype="bfloat16")
 CFG = dict(full_bytes=1 << 20, small_bytes=64 << 10)
@@ -29,74 +28,78 @@ def _ip(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def netns():
+def hosts():
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to make a network namespace")
-    tag = os.getpid() % 200 + 20
-    ns, host_if, ns_if = f"xa-test-{os.getpid()}", f"xa{os.getpid()}a", f"xa{os.getpid()}b"
-    here, there = f"10.231.{tag}.1", f"10.231.{tag}.2"
+        pytest.skip("needs root and iproute2 to make network namespaces")
+    pid, tag = os.getpid(), os.getpid() % 200 + 20
+    made: list[str] = []
     try:
-        _ip("netns", "add", ns)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        pytest.skip(f"cannot create a network namespace here: {exc}")
-    try:
-        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _ip("link", "set", ns_if, "netns", ns)
-        _ip("addr", "add", f"{here}/24", "dev", host_if)
-        _ip("link", "set", host_if, "up")
-        _ip("netns", "exec", ns, "ip", "addr", "add", f"{there}/24", "dev", ns_if)
-        _ip("netns", "exec", ns, "ip", "link", "set", ns_if, "up")
-        _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        yield {"ns": ns, "here": here, "there": there, "host_if": host_if, "ns_if": ns_if}
+        for name in ("a", "b"):
+            ns = f"xa-test-{pid}-{name}"
+            try:
+                _ip("netns", "add", ns)
+            except (subprocess.CalledProcessError, OSError) as exc:
+                pytest.skip(f"cannot create a network namespace here: {exc}")
+            made.append(ns)
+        out = {}
+        _ip("link", "add", f"xa{pid}a", "type", "veth", "peer", "name", f"xa{pid}b")
+        for i, (name, ns) in enumerate(zip("ab", made), start=1):
+            dev, addr = f"xa{pid}{name}", f"10.231.{tag}.{i}"
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            out[name] = {"ns": ns, "dev": dev, "addr": addr}
+        yield out
     finally:
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def _remote(netns, rank: int) -> PeerSpec:
+def _host(h: dict, rank: int) -> PeerSpec:
     return PeerSpec(rank=rank, layout=SPEC, seed=3, config=CFG,
-                    transport={"host": netns["there"]},
-                    wrapper=["ip", "netns", "exec", netns["ns"]],
-                    env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": netns["ns_if"]})
+                    transport={"host": h["addr"], "handshake_timeout": 5},
+                    wrapper=["ip", "netns", "exec", h["ns"]],
+                    env={"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": h["dev"]}, torch_threads=1)
 
 
-async def test_load_across_namespaces_over_tcp_and_peer_death(netns, monkeypatch):
-    # this process is the other host: UCX over TCP on its end of the veth only
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    monkeypatch.setenv("UCX_NET_DEVICES", netns["host_if"])
-    remote = await anyio.to_thread.run_sync(PeerProcess, _remote(netns, 1))
+async def _call(p: PeerProcess, cmd: str, arg=None, timeout: float = 60.0):
+    return await anyio.to_thread.run_sync(lambda: p.call(cmd, arg, timeout))
+
+
+async def test_loads_across_hosts_over_tcp_and_host_death(hosts):
+    a = await anyio.to_thread.run_sync(PeerProcess, _host(hosts["a"], 0))
+    b = await anyio.to_thread.run_sync(PeerProcess, _host(hosts["b"], 1))
     try:
-        assert remote.address.startswith(netns["there"])
-        caches = pattern_caches(SPEC, 0, 3)
-        async with Endpoint(0, caches, NixlTransport(host=netns["here"]), EndpointConfig(**CFG)) as ep:
-            for slot in range(16):
-                ep.publish(slot, slot)
-            assert await ep.connect(remote.address) == 1
-            for keys in ([1], list(range(2, 12)), [5]):  # small, full slab, small
-                req = {1: {layer: {k: 16 + i for i, k in enumerate(keys)} for layer in range(2)}}
-                zero_slots(caches, req)
-                await ep.load(req)
-                assert check_loaded(caches, req, {1: pattern_caches(SPEC, 1, 3)}) == 2 * len(keys)
-            # and the other way: the remote host loads from us
-            result, checked = await anyio.to_thread.run_sync(
-                remote.call, "load", ({0: {0: {3: 20, 4: 21}, 1: {3: 22}}}, 3))
-            assert checked == 3
-            # the remote host dies: a clear error, quickly
-            remote.kill()
-            t0 = time.monotonic()
-            # (PeerLostError for a load in flight, UnknownPeerError once rank 1 is dropped)
-            with pytest.raises((PeerLostError, UnknownPeerError)):
-                with anyio.fail_after(20):
-                    while True:
-                        await ep.load({1: {0: {1: 30}}})
-            assert time.monotonic() - t0 < 20
-            assert 1 not in ep.peers
+        assert a.address.startswith(hosts["a"]["addr"]) and b.address.startswith(hosts["b"]["addr"])
+        assert await _call(a, "connect", b.address) == 1
+        # each child zeroes the destination slots, loads, and checks every byte against
+        # the source's seeded pattern; dest slots 16.. never overlap the keys 0..15
+        for keys in ([1], list(range(2, 12)), [5]):  # small, the full slab, small
+            req = {1: {layer: {k: 16 + i for i, k in enumerate(keys)} for layer in range(2)}}
+            result, checked = await _call(a, "load", (req, 3))
+            assert checked == 2 * len(keys) and result["blocks"] == 2 * len(keys)
+        result, checked = await _call(b, "load", ({0: {0: {3: 20, 4: 21}, 1: {3: 22}}}, 3))
+        assert checked == 3
+        metrics = await _call(a, "metrics")
+        assert metrics["peers"][1]["batches_received"] == 3
+        # host b dies: host a's next load fails with a clear error, quickly
+        b.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="PeerLostError|UnknownPeerError"):
+            for _ in range(50):
+                await _call(a, "load", ({1: {0: {1: 30}}}, 3), timeout=20)
+                await anyio.sleep(0.05)
+        assert time.monotonic() - t0 < 20
     finally:
-        remote.close()
+        b.close()
+        a.close()
 
 
-async def test_unreachable_host_is_a_handshake_error(netns):
-    async with Endpoint(0, pattern_caches(SPEC, 0, 3), NixlTransport(handshake_timeout=3),
-                        EndpointConfig(**CFG)) as ep:
-        with pytest.raises(HandshakeError):
-            await ep.connect(f"{netns['there']}:1")  # the host exists, nothing listens
+async def test_unreachable_host_is_a_handshake_error(hosts):
+    a = await anyio.to_thread.run_sync(PeerProcess, _host(hosts["a"], 0))
+    try:
+        with pytest.raises(RuntimeError, match="HandshakeError"):
+            await _call(a, "connect", f"{hosts['b']['addr']}:1")  # the host exists, nothing listens
+    finally:
+        a.close()

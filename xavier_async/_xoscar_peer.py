@@ -194,7 +194,7 @@ async def _sender(conn: Connection, spec: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    role, fd, spec = argv[0], int(argv[1]), json.loads(argv[2])
+    fd, role, spec = int(argv[0]), argv[1], json.loads(argv[2])
     conn = Connection(fd)
     try:
         if spec.get("cpus"):

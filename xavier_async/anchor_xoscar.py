@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import statistics
-import subprocess
-import sys
 from collections.abc import Mapping
-from multiprocessing.connection import Connection
 from typing import Any
+
+from .child import ChildProcess
 
 CASES = ("always_full", "alternating_size_only", "alternating_streak", "sustained_small")
 
@@ -68,39 +66,9 @@ def versions() -> dict[str, str]:
     return out
 
 
-class _Child:
+def _child(role: str, spec: dict[str, Any]) -> ChildProcess:
     """One ``python -m xavier_async._xoscar_peer`` process and its pipe."""
-
-    def __init__(self, role: str, spec: dict[str, Any]) -> None:
-        mine, theirs = socket.socketpair()
-        self.role = role
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "xavier_async._xoscar_peer", role, str(theirs.fileno()),
-             json.dumps(spec)], pass_fds=(theirs.fileno(),))
-        theirs.close()
-        self.conn = Connection(mine.detach())
-
-    def reply(self, timeout: float) -> Any:
-        if not self.conn.poll(timeout):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"xoscar {self.role} process exited with {self.proc.returncode}")
-            raise TimeoutError(f"xoscar {self.role} process did not answer in {timeout:.0f} s")
-        try:
-            status, value = self.conn.recv()
-        except EOFError:
-            self.proc.wait(5)
-            raise RuntimeError(f"xoscar {self.role} process exited with {self.proc.returncode}") from None
-        if status != "ok":
-            raise RuntimeError(f"xoscar {self.role} process failed: {value}")
-        return value
-
-    def close(self, timeout: float = 20.0) -> None:
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.conn.close()
+    return ChildProcess("xavier_async._xoscar_peer", [role, json.dumps(spec)], f"xoscar {role} process")
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
@@ -123,15 +91,15 @@ def run_cases_sync(options: Any, floors: Mapping[str, Mapping[str, float]],
     base = {"full_bytes": F, "small_bytes": S, "copies": options.copies, "warmup": options.warmup,
             "seed": options.seed, "host": "127.0.0.1"}
     cuda = device == "cuda"
-    recv = _Child("receiver", {**base, "device": "cuda:1" if cuda else "cpu",
+    recv = _child("receiver", {**base, "device": "cuda:1" if cuda else "cpu",
                                "cpus": [cpus[1]] if cpus else None})
-    send: _Child | None = None
+    send: ChildProcess | None = None
     try:
         address = recv.reply(120)
-        send = _Child("sender", {**base, "device": "cuda:0" if cuda else "cpu",
+        send = _child("sender", {**base, "device": "cuda:0" if cuda else "cpu",
                                  "cpus": [cpus[0]] if cpus else None})
         send.reply(120)
-        send.conn.send(address)
+        send.send(address)
         raw = send.reply(timeout)
     finally:
         if send is not None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -19,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from .child import ChildProcess
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "int8": torch.int8, "uint8": torch.uint8}
@@ -182,55 +182,28 @@ class PeerProcess:
     with ``anyio.to_thread.run_sync`` inside async code."""
 
     def __init__(self, spec: PeerSpec, start_timeout: float = 60.0) -> None:
-        mine, theirs = socket.socketpair()
         self.spec = spec
-        env = {**os.environ, **(spec.env or {})}
+        env = dict(spec.env or {})
         if spec.cuda_visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible
-        self.proc = subprocess.Popen(
-            [*(spec.wrapper or []), sys.executable, "-m", "xavier_async.peer_process",
-             str(theirs.fileno()), json.dumps(asdict(spec))], pass_fds=(theirs.fileno(),), env=env)
-        theirs.close()
-        self._conn = Connection(mine.detach())
+        self._child = ChildProcess("xavier_async.peer_process", [json.dumps(asdict(spec))],
+                                   f"peer process (rank {spec.rank})", env=env, wrapper=spec.wrapper)
+        self.proc = self._child.proc
         try:
-            self.address: str = self._reply(start_timeout)
+            self.address: str = self._child.reply(start_timeout)
         except BaseException:
             self.kill()
             raise
 
-    def _reply(self, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"peer process (rank {self.spec.rank}) exited with {self.proc.returncode}")
-            raise TimeoutError(f"peer process (rank {self.spec.rank}) did not answer in {timeout} s")
-        status, value = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"peer process (rank {self.spec.rank}) failed: {value}")
-        return value
-
     def call(self, cmd: str, arg: Any = None, timeout: float = 60.0) -> Any:
-        self._conn.send((cmd, arg))
-        return self._reply(timeout)
+        return self._child.call(cmd, arg, timeout)
 
     def kill(self) -> None:
         """SIGKILL: the peer dies without closing anything."""
-        self.proc.kill()
-        self.proc.wait(10)
+        self._child.kill()
 
     def close(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call("close", timeout=timeout)
-            except Exception:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-        self._conn.close()
+        self._child.close(("close", None), timeout)
 
     def __enter__(self) -> PeerProcess:
         return self
