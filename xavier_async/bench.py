@@ -393,7 +393,7 @@ def environment(rig: Rig, device: str) -> dict[str, Any]:
 async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
     device = o.resolved_device()
     layout = bench_layout(o.full_bytes)
-    cfg = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, accept_raw_copies=True)
+    cfg: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, accept_raw_copies=True)
     here = "cuda:0" if device == "cuda" else "cpu"
     caches = pattern_caches(layout, 0, o.seed, here)
     if o.transport == "local":

@@ -46,7 +46,7 @@ def machine_edges(streak: int = DEFAULT_STREAK) -> list[tuple[str, str, str]]:
     for src in machine.states:
         for event_name, event in machine.events.items():
             for transition in event.transitions.get(src, []):
-                edges.append((src, event_name, transition.dest))
+                edges.append((src, event_name, str(transition.dest)))
     return edges
 
 

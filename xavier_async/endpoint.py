@@ -151,7 +151,7 @@ class Endpoint:
             await ep.load({peer: {layer: {key: slot}}})
     """
 
-    def __init__(self, rank: int, caches: Mapping[LayerId, torch.Tensor],
+    def __init__(self, rank: int, caches: Mapping[Any, torch.Tensor],
                  transport: Transport | None = None, config: EndpointConfig | None = None) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise InvalidRequestError(f"rank must be an int >= 0, got {rank!r}")
@@ -494,13 +494,13 @@ class Endpoint:
                         held = exc
                     held = await _wait_held(waiter.event, self.config.request_timeout) or held
                     if not waiter.event.is_set():
-                        exc = PeerLostError(
+                        lost = PeerLostError(
                             f"rank {src} did not complete a copy within {self.config.request_timeout} s")
-                        self.peer_lost(src, exc)
+                        self.peer_lost(src, lost)
                         # cut the source off before the receive slab is reused: its copy
                         # may still be under way
                         await self._forget(src)
-                        raise held or exc
+                        raise held or lost
             finally:
                 del self._pending[req_id]
             if held is not None:
@@ -605,7 +605,7 @@ class Endpoint:
         finally:
             self._leave_work()
 
-    def snapshot_metrics(self) -> dict[str, object]:
+    def snapshot_metrics(self) -> dict[str, Any]:
         """Metrics as a plain dict (registrations include the transport's memory ones)."""
         self.metrics.memory_registrations = self.transport.memory_registrations
         return self.metrics.as_dict()

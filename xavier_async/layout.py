@@ -47,7 +47,7 @@ class CacheLayout:
     device: torch.device
 
     @classmethod
-    def of(cls, caches: Mapping[LayerId, torch.Tensor]) -> CacheLayout:
+    def of(cls, caches: Mapping[Any, torch.Tensor]) -> CacheLayout:
         """Validate ``{layer: tensor[num_slots, *block_shape]}`` and describe it."""
         if not isinstance(caches, Mapping) or not caches:
             raise InvalidRequestError("caches must be a non-empty mapping {layer: tensor}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 
 @dataclass
@@ -63,7 +64,7 @@ class EndpointMetrics:
         """Memory registrations plus view mappings: flat after warm-up."""
         return self.memory_registrations + self.total().registrations
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> dict[str, Any]:
         """Everything as plain dicts: endpoint counters, the per-peer sum, each peer."""
         return {
             "memory_registrations": self.memory_registrations,

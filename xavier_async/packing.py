@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Mapping, Sequence
 
+from typing import Any
+
 import torch
 
 from .layout import LayerId
@@ -36,7 +38,7 @@ HOST_MEMMOVE = True
 ByteRows = Mapping[LayerId, torch.Tensor]
 
 
-def byte_rows(caches: Mapping[LayerId, torch.Tensor]) -> dict[LayerId, torch.Tensor]:
+def byte_rows(caches: Mapping[Any, torch.Tensor]) -> dict[LayerId, torch.Tensor]:
     """Each cache as ``[num_slots, block_nbytes]`` uint8 rows sharing its storage."""
     return {layer: t.view(t.shape[0], -1).view(torch.uint8) for layer, t in caches.items()}
 

@@ -70,8 +70,8 @@ def zero_caches(spec: LayoutSpec, device: str | torch.device = "cpu") -> dict[in
             for layer in range(spec.layers)}
 
 
-def check_loaded(caches: Mapping[int, torch.Tensor], request: Mapping[int, Any],
-                 expected: Mapping[int, Mapping[int, torch.Tensor]]) -> int:
+def check_loaded(caches: Mapping[Any, torch.Tensor], request: Mapping[int, Any],
+                 expected: Mapping[int, Mapping[Any, torch.Tensor]]) -> int:
     """Compare loaded slots byte for byte with the sources' caches (keys = source slots).
     Returns the number of blocks checked; raises AssertionError on the first mismatch."""
     n = 0
@@ -94,7 +94,7 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def zero_slots(caches: Mapping[int, torch.Tensor], request: Mapping[int, Any]) -> None:
+def zero_slots(caches: Mapping[Any, torch.Tensor], request: Mapping[int, Any]) -> None:
     """Zero the destination slots of a request (so a check cannot pass on stale bytes)."""
     for layers in request.values():
         for layer, blocks in layers.items():

@@ -18,8 +18,9 @@ from .layout import (SEGMENT_ALIGN, BlockKey, CacheLayout, LayerId, align_up, ch
                      check_layer_id, check_slot)
 
 SlotSpec = Union[int, Sequence[int]]
-#: ``{source rank: {layer: {block key: slot or [slots]}}}``
-LoadRequest = Mapping[int, Mapping[LayerId, Mapping[BlockKey, SlotSpec]]]
+#: ``{source rank: {layer: {block key: slot or [slots]}}}``; layers are LayerId and keys
+#: BlockKey, typed Any because Mapping is invariant in its key (a ``dict[int, ...]`` must fit)
+LoadRequest = Mapping[int, Mapping[Any, Mapping[Any, SlotSpec]]]
 #: Normalized request for one source: ``{layer: {key: (slots...)}}``, in request order.
 SourcePlan = dict[LayerId, dict[BlockKey, tuple[int, ...]]]
 

@@ -79,7 +79,7 @@ def transition_table(streak: int = DEFAULT_STREAK) -> dict[tuple[str, str], str]
             found = machine.get_transitions(trigger=event, source=src)
             if len(found) != 1:
                 raise AssertionError(f"machine must be deterministic: {src} on {event}")
-            table[(src, event)] = found[0].dest
+            table[(src, event)] = str(found[0].dest)
     return table
 
 
@@ -94,7 +94,7 @@ def check_size(name: str, value: object, *, minimum: int = 1) -> int:
         raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
     if not isinstance(value, int):
         try:
-            value = operator.index(value)  # numpy / torch integer scalars
+            value = operator.index(value)  # type: ignore[arg-type]  # numpy / torch ints
         except TypeError:
             raise InvalidRequestError(f"{name} must be an integer, got {value!r}") from None
     if value < minimum:

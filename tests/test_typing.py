@@ -1,0 +1,38 @@
+"""The package is typed (py.typed): mypy must accept it, and the public entry points must
+accept what users pass (e.g. ``dict[int, Tensor]`` caches)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+USER_CODE = '''
+import torch
+from xavier_async import ChannelPolicy, Endpoint, EndpointConfig, LocalFabric, RetryPolicy
+
+async def main() -> None:
+    caches: dict[int, torch.Tensor] = {0: torch.zeros(4, 8)}
+    named: dict[str, torch.Tensor] = {"k0": torch.zeros(4, 8)}
+    cfg = EndpointConfig(full_bytes=1 << 20, small_bytes=1 << 16, retry=RetryPolicy(attempts=2))
+    fabric = LocalFabric()
+    async with Endpoint(0, caches, fabric.transport(), cfg) as a, Endpoint(1, named, fabric.transport()) as b:
+        await a.connect(b.address)
+        b.publish("key", 1)
+        result = await a.load({1: {0: {"key": 2}}})
+        n: int = result.wire_bytes + ChannelPolicy(16, 4).select(3)
+'''
+
+
+def test_mypy_accepts_the_package_and_typical_user_code(tmp_path):
+    pytest.importorskip("mypy")
+    user = tmp_path / "user_code.py"
+    user.write_text(USER_CODE)
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--ignore-missing-imports",
+                           "--cache-dir", str(tmp_path / "cache"), "xavier_async", str(user)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
