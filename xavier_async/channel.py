@@ -88,48 +88,83 @@ class PeerChannel:
                     self.metrics.registrations += 1
                     return m
 
+    def plan_now(self, payload: int, useful: int | None = None) -> CopyPlan | None:
+        """The copy plan if the view the machine would choose is already mapped: the choice
+        is committed (the machine advances) and nothing is awaited. ``None`` (state
+        untouched) when that view still has to be mapped."""
+        view_bytes = self.policy.peek(payload)
+        mapping = self._mappings.get(view_bytes)
+        if mapping is None:
+            return None
+        self.policy.select(payload)
+        wire = min(view_bytes, align_up(payload, self.trim_align)) if self.trimmed else view_bytes
+        return CopyPlan(payload, view_bytes, wire, mapping, payload if useful is None else useful)
+
     async def prepare(self, payload: int, useful: int | None = None) -> CopyPlan:
         """Choose the view for a batch, make sure it is mapped, then commit the choice.
 
         The machine only advances once the mapping exists, so a failed registration leaves
-        the channel's state as it was.
-        """
-        view_bytes = self.policy.peek(payload)
-        mapping = self._mappings.get(view_bytes)
-        if mapping is None:
-            mapping = await self.mapping(view_bytes)
-        chosen = self.policy.select(payload)
-        assert chosen == view_bytes
-        wire = min(view_bytes, align_up(payload, self.trim_align)) if self.trimmed else view_bytes
-        return CopyPlan(payload, view_bytes, wire, mapping,
-                        payload if useful is None else useful)
+        the channel's state as it was (and a reset during the registration is honoured:
+        the choice is made again afterwards)."""
+        while True:
+            plan = self.plan_now(payload, useful)
+            if plan is not None:
+                return plan
+            await self.mapping(self.policy.peek(payload))
+
+    def post(self, plan: CopyPlan, notify: bytes | None) -> object | None:
+        """Start the copy (synchronous). ``None`` if it already finished (metrics are
+        counted), else a token for :meth:`finish`. On failure the channel is reset (the
+        caller must then call the transport's ``forget``) and :class:`TransferError` is
+        raised."""
+        try:
+            pending = self.transport.post(self.peer, plan.mapping, plan.wire_bytes, notify)
+        except Exception as exc:
+            raise self._failed(exc) from exc
+        if pending is None:
+            self._account(plan)
+        return pending
+
+    async def finish(self, plan: CopyPlan, pending: object) -> None:
+        """Wait, shielded, until a posted copy is terminal; count it, or reset and raise."""
+        held: BaseException | None = None
+        try:
+            with anyio.CancelScope(shield=True):
+                while True:
+                    try:
+                        await self.transport.wait(pending)
+                        break
+                    except anyio.get_cancelled_exc_class() as exc:
+                        # a native asyncio Task.cancel() gets through the shield: the
+                        # copy is still under way, so wait again and re-raise afterwards
+                        held = exc
+        except Exception as exc:
+            err = self._failed(exc)
+            await self.forget()
+            raise err from exc
+        self._account(plan)
+        if held is not None:
+            raise held
 
     async def write(self, plan: CopyPlan, notify: bytes | None) -> None:
         """Start the copy and wait, shielded, for its terminal state."""
-        m = self.metrics
-        held: BaseException | None = None
         try:
-            pending = self.transport.post(self.peer, plan.mapping, plan.wire_bytes, notify)
-            if pending is not None:  # not finished while posting: wait, shielded
-                with anyio.CancelScope(shield=True):
-                    while True:
-                        try:
-                            await self.transport.wait(pending)
-                            break
-                        except anyio.get_cancelled_exc_class() as exc:
-                            # a native asyncio Task.cancel() gets through the shield: the
-                            # copy is still under way, so wait again and re-raise afterwards
-                            held = exc
-        except XavierError as exc:
-            m.failures += 1
-            await self.reset()
-            if isinstance(exc, TransferError):
-                raise
-            raise TransferError(f"copy to rank {self.peer} failed: {exc}") from exc
-        except Exception as exc:
-            m.failures += 1
-            await self.reset()
-            raise TransferError(f"copy to rank {self.peer} failed: {exc}") from exc
+            pending = self.post(plan, notify)
+        except TransferError:
+            await self.forget()
+            raise
+        if pending is not None:  # not finished while posting
+            await self.finish(plan, pending)
+
+    def _failed(self, exc: BaseException) -> TransferError:
+        self.metrics.failures += 1
+        self.reset_now()
+        if isinstance(exc, TransferError):
+            return exc
+        return TransferError(f"copy to rank {self.peer} failed: {exc}")
+
+    def _account(self, plan: CopyPlan) -> None:
+        m = self.metrics
         m.batches_sent += 1
         m.useful_bytes += plan.useful if plan.useful >= 0 else plan.payload
         m.wire_bytes += plan.wire_bytes
@@ -140,17 +175,24 @@ class PeerChannel:
         if self._last_view and self._last_view != plan.view_bytes:
             m.view_switches += 1
         self._last_view = plan.view_bytes
-        if held is not None:
-            raise held
 
-    async def reset(self) -> None:
-        """Back to ``full`` with no mappings (after a transport failure)."""
+    def reset_now(self) -> None:
+        """Back to ``full`` with no mappings (after a transport failure or a lost peer);
+        the transport's own mappings are dropped by :meth:`forget`."""
         self.policy.reset()
         self._mappings.clear()
         self._last_view = 0
         self.metrics.resets += 1
+
+    async def forget(self) -> None:
+        """Drop the transport's mappings for this peer (shielded, errors ignored)."""
         with anyio.CancelScope(shield=True):
             try:
                 await self.transport.forget(self.peer)
-            except Exception:  # the peer may be gone already; the mappings are dropped here
+            except Exception:  # the peer may be gone already; our mappings are dropped
                 pass
+
+    async def reset(self) -> None:
+        """:meth:`reset_now` then :meth:`forget`."""
+        self.reset_now()
+        await self.forget()

@@ -34,7 +34,10 @@ def decode(msg: bytes) -> tuple[bytes, Any]:
     """Split a message into (tag, body); raises ValueError on anything malformed."""
     if len(msg) < 3 or msg[:2] != MAGIC:
         raise ValueError(f"not an xavier_async control message: {msg[:16]!r}")
-    return msg[2:3], _loads(msg[3:].decode())
+    try:
+        return msg[2:3], _loads(msg[3:].decode())
+    except (ValueError, TypeError, RecursionError, OverflowError) as exc:
+        raise ValueError(f"malformed control message: {exc!r}") from None
 
 
 def is_control(msg: bytes) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -33,14 +33,14 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import codec
-from .channel import PeerChannel
+from .channel import CopyPlan, PeerChannel
 from .errors import (EndpointClosedError, HandshakeError, InvalidRequestError, PeerLostError,
                      RegistrationError, RemoteError, TransferError, UnknownPeerError,
                      XavierError)
 from .layout import BlockKey, CacheLayout, LayerId, check_key, check_layer_id, check_slot
 from .metrics import EndpointMetrics
 from .packing import SlabRows, byte_rows, gather, scatter
-from .planning import Batch, LoadRequest, normalize, plan_batches, segments_from_wire
+from .planning import Batch, LoadRequest, Segment, normalize, plan_batches, segments_from_wire
 from .policy import DEFAULT_STREAK, ChannelPolicy, check_size
 from .retry import RetryPolicy
 from .slabs import Slab, allocate_slabs, slab_sizes
@@ -60,9 +60,12 @@ class EndpointConfig:
     ``min(full, 256 KiB)``). ``streak``: consecutive small batches before the small view is
     used (1 = size-only selection). ``trimmed``: copy only the payload rounded up to
     ``trim_align`` instead of the whole chosen view. ``request_timeout``: how long a
-    receiver waits for a started copy before declaring the source lost.
+    receiver waits for a batch it requested (queueing at the source, packing and the copy)
+    before declaring the source lost; keep it above the transport's own copy timeout
+    (NIXL: 30 s), so a source whose copy stalls reports the failure itself first.
     ``accept_raw_copies``: let peers call :meth:`Endpoint.copy_raw` into our receive slab
-    (benchmarks and health checks only). ``stream_ordered_unpack``: on CUDA, let
+    (benchmarks only: a raw copy overwrites the receive slab without coordination, so an
+    endpoint that accepts them must not load anything meanwhile). ``stream_ordered_unpack``: on CUDA, let
     :meth:`Endpoint.load` return once the unpack is enqueued on the caches' current
     stream instead of waiting for it (saves a device synchronization per batch).
     """
@@ -73,7 +76,7 @@ class EndpointConfig:
     trimmed: bool = False
     trim_align: int = 256
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    request_timeout: float = 30.0
+    request_timeout: float = 60.0
     accept_raw_copies: bool = False
     stream_ordered_unpack: bool = False
 
@@ -167,7 +170,9 @@ class Endpoint:
         self._peer_hello: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, _Waiter] = {}
         self._ids = itertools.count(1)
-        self._send_lock = anyio.Lock(fast_acquire=True)
+        # the send slab: held from packing until the copy is terminal (a semaphore, so the
+        # task that finishes a copy started by the poller can release it)
+        self._send_free = anyio.Semaphore(1, fast_acquire=True)
         self._recv_lock = anyio.Lock(fast_acquire=True)
         self._inflight = 0
         self._serving = False
@@ -205,7 +210,12 @@ class Endpoint:
             self._tg.start_soon(self._serve_loop, recv, name=f"xavier-serve-{self.rank}")
             await self.transport.start(self, self.send_slab, self.recv_slab, self._tg)
         except BaseException:
-            await stack.aclose()
+            with anyio.CancelScope(shield=True):
+                try:  # release whatever the transport registered before it failed
+                    await self.transport.aclose()
+                except Exception:
+                    log.debug("transport close after a failed start failed", exc_info=True)
+                await stack.aclose()
             raise
         self._stack = stack
         self._state = "open"
@@ -213,11 +223,13 @@ class Endpoint:
 
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool | None:
-        await self.aclose()
-        assert self._stack is not None
-        # The body's exception is not fed to our task group: it would come out wrapped in
-        # an ExceptionGroup. aclose() has already stopped the background tasks.
-        await self._stack.__aexit__(None, None, None)
+        try:
+            await self.aclose()
+        finally:
+            assert self._stack is not None
+            # The body's exception is not fed to our task group: it would come out wrapped
+            # in an ExceptionGroup. aclose() has already stopped the background tasks.
+            await self._stack.__aexit__(None, None, None)
         return None
 
     @staticmethod
@@ -348,6 +360,8 @@ class Endpoint:
             raise HandshakeError(
                 f"protocol version mismatch: local {PROTOCOL_VERSION}, peer {hello.get('version')!r}")
         rank = hello.get("rank")
+        if type(rank) is not int or rank < 0:
+            raise HandshakeError(f"peer rank must be an int >= 0, got {rank!r}")
         if rank == self.rank:
             raise HandshakeError(f"peer has the same rank as this endpoint ({rank})")
         for key in ("full_bytes", "small_bytes"):
@@ -370,16 +384,15 @@ class Endpoint:
             trimmed=cfg.trimmed, trim_align=cfg.trim_align)
         self._peer_hello[peer] = hello
 
-    def deliver(self, peer: int, msg: bytes, inline: bool = False) -> Awaitable[None] | None:
+    def deliver(self, peer: int, msg: bytes, inline: bool = False) -> None:
         try:
             tag, body = codec.decode(msg)
         except ValueError:
             log.warning("rank %d: dropped malformed message from rank %d", self.rank, peer)
             return None
         if tag == codec.LOAD:
-            if (inline and not self._serving and self._inbox is not None
-                    and self._inbox.statistics().current_buffer_used == 0):
-                return self._serve(peer, body)  # served in the caller's task: no task switch
+            if inline and self._serve_now(peer, body):  # no task switch, nothing awaited
+                return None
             if self._inbox is not None:
                 try:
                     self._inbox.send_nowait((peer, body))
@@ -401,7 +414,7 @@ class Endpoint:
                 cls = {"transfer": TransferError, "lost": PeerLostError,
                        "registration": RegistrationError}.get(kind, RemoteError)
                 w.fail(cls(f"rank {peer}: {text}"))
-        except (IndexError, TypeError, ValueError):
+        except Exception:  # whatever a peer sends, the poller must survive it
             log.warning("rank %d: dropped malformed %r from rank %d", self.rank, tag, peer)
         return None
 
@@ -412,8 +425,7 @@ class Endpoint:
         ch = self._channels.pop(peer, None)
         self._peer_hello.pop(peer, None)
         if ch is not None:
-            ch.policy.reset()
-            ch.metrics.resets += 1
+            ch.reset_now()
         if self._tg is not None and self._state == "open":
             self._tg.start_soon(self._forget, peer)
 
@@ -494,6 +506,7 @@ class Endpoint:
                         held = exc
                     held = await _wait_held(waiter.event, self.config.request_timeout) or held
                     if not waiter.event.is_set():
+                        m.load_errors += 1
                         lost = PeerLostError(
                             f"rank {src} did not complete a copy within {self.config.request_timeout} s")
                         self.peer_lost(src, lost)
@@ -533,10 +546,106 @@ class Endpoint:
             async for peer, body in inbox:
                 await self._serve(peer, body)
 
-    async def _serve(self, peer: int, body: Any) -> None:
+    def _parse_load(self, body: Any) -> tuple[int, list[Segment], int]:
+        """(request id, segments, payload) of a LOAD body; InvalidRequestError if malformed."""
         try:
             req_id, wire = body
-        except (TypeError, ValueError):
+            segments, payload = segments_from_wire(wire, self.layout)
+        except (TypeError, ValueError) as exc:  # a malformed request from the peer
+            raise InvalidRequestError(f"malformed load request: {exc}") from None
+        if type(req_id) is not int:
+            raise InvalidRequestError(f"malformed load request id {req_id!r}")
+        if payload > self.config.full_bytes:
+            raise InvalidRequestError(f"batch of {payload} B exceeds the full slab")
+        return req_id, segments, payload
+
+    def _slots_of(self, segments: list[Segment]) -> list[list[int]]:
+        """Source slots of every segment's keys, looked up now (just before packing, with
+        nothing awaited in between, so an unpublished key is never served)."""
+        slot_lists = []
+        for seg in segments:
+            table = self._published[seg.layer]
+            try:
+                slot_lists.append([table[k] for k in seg.keys])
+            except (KeyError, TypeError):  # unknown or unhashable keys
+                missing = [k for k in seg.keys if not isinstance(k, (int, str, bytes)) or k not in table]
+                raise InvalidRequestError(
+                    f"block key(s) {missing[:4]!r} not published in layer {seg.layer!r}") from None
+        return slot_lists
+
+    def _serve_now(self, peer: int, body: Any) -> bool:
+        """Serve a LOAD without awaiting anything, when that is possible: no request queued
+        or being served, the view the machine picks already mapped, the send slab free.
+        The copy is posted here; if it has not finished while posting, a task of the
+        endpoint waits for it. Returns False to leave the request to the queue (which
+        also produces any error reply)."""
+        if (self._state != "open" or self._serving or self._inbox is None
+                or self._inbox.statistics().current_buffer_used):
+            return False
+        ch = self._channels.get(peer)
+        if ch is None:
+            return False
+        try:
+            req_id, segments, payload = self._parse_load(body)
+            slot_lists = self._slots_of(segments)
+        except InvalidRequestError:
+            return False
+        try:
+            self._send_free.acquire_nowait()
+        except anyio.WouldBlock:
+            return False
+        plan = ch.plan_now(payload, sum(seg.nbytes for seg in segments))
+        if plan is None:  # a view to map first: that awaits, so the queue does it
+            self._send_free.release()
+            return False
+        assert self._tg is not None
+        self._inflight += 1
+        try:
+            self._pack(segments, slot_lists)
+            pending = ch.post(plan, codec.encode(codec.LANDED, [req_id, plan.wire_bytes]))
+        except XavierError as exc:
+            self._send_free.release()
+            self._leave_work()
+            self._tg.start_soon(self._after_failure, ch, peer, req_id, exc)
+            return True
+        except BaseException:
+            self._send_free.release()
+            self._leave_work()
+            raise
+        if pending is None:
+            self._send_free.release()
+            self._leave_work()
+        else:
+            self._tg.start_soon(self._finish_serve, ch, peer, req_id, plan, pending)
+        return True
+
+    async def _finish_serve(self, ch: PeerChannel, peer: int, req_id: int, plan: CopyPlan,
+                            pending: object) -> None:
+        try:
+            await ch.finish(plan, pending)
+        except XavierError as exc:
+            await self._reply_error(peer, req_id, exc)
+        finally:
+            self._send_free.release()
+            self._leave_work()
+
+    async def _after_failure(self, ch: PeerChannel, peer: int, req_id: int, exc: XavierError) -> None:
+        await ch.forget()
+        await self._reply_error(peer, req_id, exc)
+
+    async def _reply_error(self, peer: int, req_id: int, exc: XavierError) -> None:
+        kind = ("lost" if isinstance(exc, PeerLostError) else
+                "transfer" if isinstance(exc, TransferError) else
+                "registration" if isinstance(exc, RegistrationError) else "refused")
+        try:
+            await self.transport.send(peer, codec.encode(codec.ERROR, [req_id, kind, str(exc)]))
+        except XavierError:
+            pass  # the peer is gone; it will notice on its own
+
+    async def _serve(self, peer: int, body: Any) -> None:
+        try:
+            req_id = body[0]
+        except (TypeError, IndexError, KeyError):
             log.warning("rank %d: malformed LOAD from rank %d", self.rank, peer)
             return
         self._inflight += 1
@@ -546,35 +655,16 @@ class Endpoint:
                 if self._state != "open":
                     raise EndpointClosedError(f"rank {self.rank} is closing")
                 ch = self.channel(peer)
-                try:
-                    segments, payload = segments_from_wire(wire, self.layout)
-                except (TypeError, ValueError) as exc:  # a malformed request from the peer
-                    raise InvalidRequestError(f"malformed load request: {exc}") from None
-                slot_lists = []
-                for seg in segments:
-                    table = self._published[seg.layer]
-                    try:
-                        slot_lists.append([table[k] for k in seg.keys])
-                    except (KeyError, TypeError):  # unknown or unhashable keys
-                        missing = [k for k in seg.keys
-                                   if not isinstance(k, (int, str, bytes)) or k not in table]
-                        raise InvalidRequestError(
-                            f"block key(s) {missing[:4]!r} not published in layer {seg.layer!r}"
-                        ) from None
-                if payload > self.config.full_bytes:
-                    raise InvalidRequestError(f"batch of {payload} B exceeds the full slab")
-                async with self._send_lock:
+                req_id, segments, payload = self._parse_load(body)
+                self._slots_of(segments)  # refuse unknown keys before anything else
+                async with self._send_free:
                     plan = await ch.prepare(payload, sum(seg.nbytes for seg in segments))
-                    self._pack(segments, slot_lists)
+                    if self._channels.get(peer) is not ch:  # the peer left (or restarted)
+                        raise PeerLostError(f"rank {peer} went away before its copy")
+                    self._pack(segments, self._slots_of(segments))
                     await ch.write(plan, codec.encode(codec.LANDED, [req_id, plan.wire_bytes]))
             except XavierError as exc:
-                kind = ("lost" if isinstance(exc, PeerLostError) else
-                        "transfer" if isinstance(exc, TransferError) else
-                        "registration" if isinstance(exc, RegistrationError) else "refused")
-                try:
-                    await self.transport.send(peer, codec.encode(codec.ERROR, [req_id, kind, str(exc)]))
-                except XavierError:
-                    pass  # the peer is gone; it will notice on its own
+                await self._reply_error(peer, req_id, exc)
         finally:
             self._serving = False
             self._leave_work()
@@ -587,7 +677,8 @@ class Endpoint:
     async def copy_raw(self, peer: int, nbytes: int) -> int:
         """Write the first ``nbytes`` of the send slab into ``peer``'s receive slab through
         the view the channel's machine chooses; return that view's size. For benchmarks
-        and health checks: the peer must have ``accept_raw_copies=True``."""
+        only: the peer must have ``accept_raw_copies=True`` and must not be loading
+        anything meanwhile (the write does not take the peer's receive lock)."""
         check_size("nbytes", nbytes)
         ch = self.channel(peer)
         if not self._peer_hello.get(peer, {}).get("accept_raw_copies"):
@@ -596,7 +687,7 @@ class Endpoint:
             raise InvalidRequestError(f"{nbytes} B exceeds the full slab ({self.config.full_bytes} B)")
         self._enter_work()
         try:
-            async with self._send_lock:
+            async with self._send_free:
                 plan = await ch.prepare(nbytes)
                 await ch.write(plan, None)
             # a cancellation that arrived during the (shielded) copy surfaces now

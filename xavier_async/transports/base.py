@@ -14,7 +14,6 @@ transport only does what it is told and reports failures as :class:`TransferErro
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -37,12 +36,13 @@ class TransportHost(Protocol):
     def peer_joined(self, peer: int, hello: dict[str, Any]) -> None:
         """The handshake with ``peer`` succeeded on both ends."""
 
-    def deliver(self, peer: int, msg: bytes, inline: bool = False) -> Awaitable[None] | None:
+    def deliver(self, peer: int, msg: bytes, inline: bool = False) -> None:
         """A control message (or a write's notification) arrived from ``peer``.
 
-        With ``inline=True`` the host may return an awaitable (serving a load request);
-        the transport must await it before delivering its next message. A transport that
-        calls from synchronous code passes ``inline=False`` and never gets one."""
+        With ``inline=True`` the host may serve a load request right here, synchronously
+        (pack and post the copy; a copy that does not finish while posting is waited for
+        by a task of the host). A transport that calls it from inside another endpoint's
+        call stack (the in-process one) passes ``inline=False``."""
 
     def peer_lost(self, peer: int, exc: BaseException) -> None:
         """``peer`` is gone; fail what waits on it and reset its channel."""

@@ -70,6 +70,20 @@ async def _recv_frame(stream: SocketStream, buf: bytearray) -> dict[str, Any]:
     return obj
 
 
+def _keepalive(stream: SocketStream, idle: int = 5, interval: int = 2, count: int = 3) -> None:
+    """TCP keepalive on a peer's stream: a host that vanishes without closing its socket
+    (power loss, partition) is noticed in about idle + interval * count seconds."""
+    import socket
+    try:
+        sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+            if hasattr(socket, opt):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+    except (OSError, anyio.TypedAttributeLookupError):
+        log.debug("could not enable TCP keepalive", exc_info=True)
+
+
 def _refusal(exc: XavierError) -> dict[str, Any]:
     kind = "layout" if isinstance(exc, LayoutMismatchError) else "handshake"
     return {"error": str(exc), "kind": kind}
@@ -169,6 +183,10 @@ class NixlTransport(Transport):
         self._bound: tuple[str, int] | None = None
         self._last_activity = 0.0
         self._closed = False
+        #: ids of transfer handles with a copy posted and not yet terminal, and handles
+        #: whose release waits for that
+        self._in_flight: set[int] = set()
+        self._release_later: dict[int, Any] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
@@ -253,17 +271,24 @@ class NixlTransport(Transport):
         self._host.check_hello(hello)
 
     def _add_peer(self, frame: dict[str, Any], stream: SocketStream) -> _Peer:
-        rank = frame["hello"]["rank"]
+        try:  # parse everything before touching the agent
+            rank = frame["hello"]["rank"]
+            meta = base64.b64decode(frame["meta"], validate=True)
+            recv_ptr, recv_dev = int(frame["recv_ptr"]), int(frame.get("recv_dev", 0))
+            mem = str(frame.get("mem", "DRAM"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HandshakeError(f"malformed handshake from peer: {exc!r}") from None
+        if type(rank) is not int or rank < 0 or mem not in ("DRAM", "VRAM"):
+            raise HandshakeError(f"malformed handshake from peer (rank {rank!r}, memory {mem!r})")
         old = self._peers.get(rank)
         if old is not None and not old.lost:
             raise HandshakeError(f"rank {rank} is already connected")
         if old is not None:
             self._drop(rank)
-        name = self.agent.add_remote_agent(base64.b64decode(frame["meta"]))
+        name = self.agent.add_remote_agent(meta)
         if isinstance(name, bytes):
             name = name.decode()
-        peer = _Peer(rank, name, int(frame["recv_ptr"]), int(frame.get("recv_dev", 0)),
-                     frame.get("mem", "DRAM"), stream)
+        peer = _Peer(rank, name, recv_ptr, recv_dev, mem, stream)
         self._peers[rank] = peer
         self._by_agent[peer.agent] = rank
         return peer
@@ -276,7 +301,9 @@ class NixlTransport(Transport):
                 stream = await anyio.connect_tcp(host, port)
         except (OSError, TimeoutError) as exc:
             raise HandshakeError(f"cannot reach a peer at {address}: {exc}") from exc
+        _keepalive(stream)
         buf = bytearray()
+        peer: _Peer | None = None
         try:
             with anyio.fail_after(self.handshake_timeout):
                 await _send_frame(stream, self._my_hello())
@@ -291,11 +318,15 @@ class NixlTransport(Transport):
                 await _send_frame(stream, {"ok": True})
                 ack = await _recv_frame(stream, buf)
                 if "error" in ack:
-                    self._drop(peer.rank)
                     _raise_refusal(ack)
         except BaseException as exc:
-            await stream.aclose()
-            if isinstance(exc, (TimeoutError, OSError, anyio.EndOfStream, anyio.BrokenResourceError)):
+            if peer is not None:  # added but never joined: forget it again
+                self._drop(peer.rank)
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            if not isinstance(exc, XavierError) and isinstance(
+                    exc, (TimeoutError, OSError, anyio.EndOfStream, anyio.BrokenResourceError,
+                          ValueError, TypeError)):
                 raise HandshakeError(f"handshake with {address} failed: {exc!r}") from exc
             raise
         self._host.peer_joined(peer.rank, frame["hello"])
@@ -312,6 +343,7 @@ class NixlTransport(Transport):
             self._tg.start_soon(self._accept, stream)
 
     async def _accept(self, stream: SocketStream) -> None:
+        _keepalive(stream)
         buf = bytearray()
         peer: _Peer | None = None
         try:
@@ -369,13 +401,19 @@ class NixlTransport(Transport):
             raise PeerLostError(f"rank {rank} is gone")
         return p
 
+    def _release_handle(self, h: Any) -> None:
+        if id(h) in self._in_flight:  # still posted: released when its copy is terminal
+            self._release_later[id(h)] = h
+            return
+        try:
+            self.agent.release_xfer_handle(h)
+        except Exception:
+            log.debug("release_xfer_handle failed", exc_info=True)
+
     def _release(self, peer: _Peer) -> None:
         for m in peer.handles.values():
             for h in m.by_len.values():
-                try:
-                    self.agent.release_xfer_handle(h)
-                except Exception:
-                    log.debug("release_xfer_handle failed", exc_info=True)
+                self._release_handle(h)
         peer.handles.clear()
 
     def _drop(self, rank: int) -> None:
@@ -434,7 +472,7 @@ class NixlTransport(Transport):
             if len(m.by_len) > self.trim_handles + 1:
                 for old_len in list(m.by_len):
                     if old_len != m.view_bytes and old_len != nbytes:
-                        self.agent.release_xfer_handle(m.by_len.pop(old_len))
+                        self._release_handle(m.by_len.pop(old_len))
                         break
         elif nbytes != m.view_bytes:
             m.by_len.move_to_end(nbytes)
@@ -451,24 +489,37 @@ class NixlTransport(Transport):
             return None
         if state != "PROC":
             raise TransferError(f"NIXL reported {state} for a copy of {nbytes} B to rank {peer}")
+        self._in_flight.add(id(h))
         return _Pending(p, h, nbytes, now + self.write_timeout)
 
     async def wait(self, pending: object) -> None:
+        """Poll a posted copy to a terminal state. A copy is never abandoned while NIXL
+        may still be reading the send slab: if the peer is lost meanwhile, polling goes on
+        (UCX fails the copy once the connection is gone) until ``write_timeout``."""
         w: _Pending = pending  # type: ignore[assignment]
         agent, checkpoint = self.agent, anyio.lowlevel.checkpoint
-        while True:
-            await checkpoint()
-            state = agent.check_xfer_state(w.handle)
-            if state == "DONE":
-                return
-            if state != "PROC":
-                raise TransferError(
-                    f"NIXL reported {state} for a copy of {w.nbytes} B to rank {w.peer.rank}")
-            if w.peer.lost:
-                raise PeerLostError(f"rank {w.peer.rank} went away during a copy")
-            if time.monotonic() > w.deadline:
-                raise TransferError(
-                    f"copy to rank {w.peer.rank} did not finish in {self.write_timeout} s")
+        key = id(w.handle)
+        try:
+            while True:
+                await checkpoint()
+                state = agent.check_xfer_state(w.handle)
+                if state == "DONE":
+                    if w.peer.lost:
+                        raise PeerLostError(f"rank {w.peer.rank} went away during a copy")
+                    return
+                if state != "PROC":
+                    if w.peer.lost:
+                        raise PeerLostError(f"rank {w.peer.rank} went away during a copy")
+                    raise TransferError(
+                        f"NIXL reported {state} for a copy of {w.nbytes} B to rank {w.peer.rank}")
+                if time.monotonic() > w.deadline:
+                    raise TransferError(
+                        f"copy to rank {w.peer.rank} did not finish in {self.write_timeout} s")
+        finally:
+            self._in_flight.discard(key)
+            late = self._release_later.pop(key, None)
+            if late is not None:
+                self._release_handle(late)
 
     async def send(self, peer: int, msg: bytes) -> None:
         p = self._peer(peer)
@@ -520,9 +571,10 @@ class NixlTransport(Transport):
                     if rank is None:
                         continue
                     for msg in msgs:
-                        serving = deliver(rank, msg, True)
-                        if serving is not None:  # a load request, served right here
-                            await serving
+                        try:
+                            deliver(rank, msg, True)  # a load request may be served right here
+                        except Exception:  # never let one message stop the poller
+                            log.exception("delivering a message from rank %d failed", rank)
                 await checkpoint()
             elif monotonic() - self._last_activity < self.hot_window:
                 # nothing yet: give the core to any other runnable process (often our peer,

@@ -1,0 +1,152 @@
+"""Regressions from review: hostile control messages, a state-machine reset during a
+registration, serving from inside another call stack without blocking it, and a key
+unpublished while its serve waits."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+import torch
+
+from xavier_async import (Endpoint, EndpointConfig, FaultyTransport, LocalFabric, LocalTransport,
+                          RemoteError, codec)
+
+from .conftest import assert_same_bytes, random_cache, zero_cache
+
+CFG = EndpointConfig(full_bytes=4096, small_bytes=1024)
+
+
+@pytest.mark.parametrize("msg", [
+    b'XAD{"b":5}',              # bytes.fromhex(5): TypeError inside the JSON decoder
+    b"XAD[7,1e999]",            # int(inf): OverflowError
+    b"XAD" + b"[" * 100000,     # RecursionError
+    b"XAE[1]",                  # an ERROR without kind and text
+    b"XAD[[1],2]",              # an unhashable request id
+    b"XAL[1,[[0,[[1]]]]]",      # a LOAD with an unhashable key
+    b"\xff\xfe",                # not ours at all
+])
+async def test_hostile_control_messages_are_dropped_and_the_endpoint_keeps_working(msg):
+    fabric = LocalFabric()
+    src = {0: random_cache(8, (16,), torch.float32, 1)}
+    dst = {0: zero_cache(8, (16,), torch.float32)}
+    async with Endpoint(0, src, fabric.transport(), CFG) as a, \
+            Endpoint(1, dst, fabric.transport(), CFG) as b:
+        await b.connect(a.address)
+        a.publish("k", 2)
+        for inline in (False, True):
+            a.deliver(1, msg, inline)
+            b.deliver(0, msg, inline)
+        await anyio.sleep(0.01)
+        await b.load({0: {0: {"k": 5}}})
+        assert_same_bytes(dst[0][5], src[0][2])
+
+
+def test_codec_turns_every_malformed_body_into_value_error():
+    for msg in (b'XAD{"b":5}', b"XAD[7,1e999]x", b"XAD" + b"[" * 100000, b"XAD\xff"):
+        with pytest.raises(ValueError):
+            codec.decode(msg)
+
+
+class _SlowMapTransport(LocalTransport):
+    """map_view waits for a go signal, so the test can act during a registration."""
+
+    def __init__(self, fabric: LocalFabric) -> None:
+        super().__init__(fabric)
+        self.entered = anyio.Event()
+        self.go = anyio.Event()
+
+    async def map_view(self, peer, view):
+        self.entered.set()
+        await self.go.wait()
+        return await super().map_view(peer, view)
+
+
+async def test_a_reset_during_registration_makes_the_channel_choose_again():
+    fabric = LocalFabric()
+    t = _SlowMapTransport(fabric)
+    async with Endpoint(0, {0: random_cache(4, (64,), torch.uint8, 1)}, t, CFG) as a, \
+            Endpoint(1, {0: zero_cache(4, (64,), torch.uint8)}, fabric.transport(), CFG) as b:
+        await a.connect(b.address)
+        ch = a.channel(1)
+        t.go.set()
+        await ch.mapping(4096)                  # the full view is mapped
+        ch.policy.select(100)                   # now in streak_1: the next small batch wants the small view
+        t.go = anyio.Event()
+        t.entered = anyio.Event()
+        plans = []
+
+        async def prepare() -> None:
+            plans.append(await ch.prepare(100))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prepare)
+            await t.entered.wait()              # registering the small view...
+            ch.policy.reset()                   # ...when something resets the machine
+            t.go.set()
+        (plan,) = plans
+        assert plan.view_bytes == 4096 and ch.policy.state == "streak_1"
+
+
+class _InlineLocal(LocalTransport):
+    """Delivers with inline=True, as the NIXL poller does, from inside the sender's call."""
+
+    async def send(self, peer: int, msg: bytes) -> None:
+        other = self._peer(peer)
+        assert other.host is not None and self.host is not None
+        other.host.deliver(self.host.rank, msg, True)
+        await anyio.lowlevel.checkpoint()
+
+
+async def test_inline_serving_never_blocks_the_caller_on_a_slow_copy():
+    fabric = LocalFabric()
+    src = {0: random_cache(8, (256,), torch.uint8, 3)}
+    dst = {0: zero_cache(8, (256,), torch.uint8)}
+    slow = FaultyTransport(LocalTransport(fabric))
+    async with Endpoint(0, src, slow, CFG) as a, \
+            Endpoint(1, dst, _InlineLocal(fabric), CFG) as b:
+        await b.connect(a.address)
+        a.publish("k", 4)
+        await b.load({0: {0: {"k": 0}}})        # maps the view: later serves can be inline
+        slow.stall_next_writes(1, 0.3)
+        b_send = b.transport.send
+        took = []
+
+        async def timed_send(peer, msg):
+            t0 = time.monotonic()
+            await b_send(peer, msg)
+            took.append(time.monotonic() - t0)
+
+        b.transport.send = timed_send  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        await b.load({0: {0: {"k": 1}}})
+        assert time.monotonic() - t0 >= 0.25   # the load did wait for the stalled copy...
+        assert took and took[0] < 0.1          # ...but the request was handed over at once
+        assert_same_bytes(dst[0][1], src[0][4])
+
+
+async def test_a_key_unpublished_while_its_serve_waits_is_not_served():
+    fabric = LocalFabric()
+    t = _SlowMapTransport(fabric)
+    src = {0: random_cache(8, (64,), torch.uint8, 5)}
+    dst = {0: zero_cache(8, (64,), torch.uint8)}
+    async with Endpoint(0, src, t, CFG) as a, Endpoint(1, dst, fabric.transport(), CFG) as b:
+        await b.connect(a.address)
+        a.publish("k", 3)
+        out: list[BaseException] = []
+
+        async def load() -> None:
+            try:
+                await b.load({0: {0: {"k": 6}}})
+            except RemoteError as exc:
+                out.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load)
+            await t.entered.wait()              # the source is mapping its view
+            a.unpublish("k")                    # the block's slot is handed to another request
+            src[0][3].fill_(0xEE)
+            t.go.set()
+        assert out and "not published" in str(out[0])
+        assert torch.equal(dst[0][6], torch.zeros(64, dtype=torch.uint8))
