@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from .errors import (InvalidRequestError, PeerLostError, RegistrationError, TransferError,
-                     XavierError)
+from .errors import InvalidRequestError, PeerLostError, RegistrationError, TransferError
 from .layout import align_up
 from .metrics import PeerMetrics
 from .policy import ChannelPolicy
