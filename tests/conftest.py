@@ -117,3 +117,17 @@ async def cluster(caches: Sequence[Mapping[object, torch.Tensor]],
                 for j in range(i + 1, len(eps)):
                     await eps[i].connect(eps[j].address)
         yield eps
+
+
+def run_bench_cli(tmp_dir, *args: str) -> tuple[str, dict]:
+    """Run ``python -m xavier_async.cli bench --quick --full 2MiB --small 64KiB ... --json``
+    in a subprocess; return its stdout and the JSON it wrote (asserting it succeeded)."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_dir / "bench.json"
+    cmd = [sys.executable, "-m", "xavier_async.cli", "bench", "--quick", "--full", "2MiB",
+           "--small", "64KiB", "--alloc-copies", "300", *args, "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, json.loads(out.read_text())

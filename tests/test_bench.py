@@ -3,14 +3,12 @@ registration counts are consistent (timings are reported, never asserted)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from xavier_async.bench import BenchOptions, bench_layout, make_trace, trace_payload
 from xavier_async.cli import build_parser
+
+from .conftest import run_bench_cli
 
 pytest.importorskip("nixl")
 
@@ -19,13 +17,9 @@ FULL, SMALL = 2 << 20, 64 << 10
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
-    cmd = [sys.executable, "-m", "xavier_async.cli", "bench", "--quick", "--full", "2MiB",
-           "--small", "64KiB", "--alloc-copies", "300", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Seed cases" in proc.stdout and "Targets" in proc.stdout
-    return json.loads(out.read_text())
+    stdout, report = run_bench_cli(tmp_path_factory.mktemp("bench"))
+    assert "Seed cases" in stdout and "Targets" in stdout
+    return report
 
 
 def test_json_has_every_section_and_environment(report):

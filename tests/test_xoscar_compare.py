@@ -4,14 +4,12 @@ timings never."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from xavier_async import anchor_xoscar, bench, cli
 from xavier_async.bench import BenchOptions
+
+from .conftest import run_bench_cli
 
 FULL, SMALL, COPIES = 2 << 20, 64 << 10, 40
 CASES = ("always_full", "alternating_size_only", "alternating_streak", "sustained_small")
@@ -47,14 +45,10 @@ def report(tmp_path_factory):
     pytest.importorskip("xoscar")
     if not anchor_xoscar.available():
         pytest.skip("xoscar without its NIXL channel")
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
-    cmd = [sys.executable, "-m", "xavier_async.cli", "bench", "--quick", "--full", "2MiB",
-           "--small", "64KiB", "--copies", str(COPIES), "--loads", "10", "--trace-batches", "40",
-           "--alloc-copies", "300", "--compare", "xoscar", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Anchor, side by side" in proc.stdout and "xoscar" in proc.stdout
-    return json.loads(out.read_text())
+    stdout, report = run_bench_cli(tmp_path_factory.mktemp("bench"), "--copies", str(COPIES),
+                                   "--loads", "10", "--trace-batches", "40", "--compare", "xoscar")
+    assert "Anchor, side by side" in stdout and "xoscar" in stdout
+    return report
 
 
 def test_xoscar_cases_are_complete_and_verified(report):

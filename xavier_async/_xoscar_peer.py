@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -26,6 +25,8 @@ import torch
 import xoscar as xo
 from nixl._api import nixl_agent
 from xoscar.backends.communication.nixl import NixlChannel
+
+from .child import send_error
 
 RECEIVER_UID = "xavier-bench-xoscar-receiver"
 SENDER_UID = "xavier-bench-xoscar-sender"
@@ -212,10 +213,7 @@ def main(argv: list[str]) -> None:
         else:
             uvloop.run(coro)
     except BaseException as exc:
-        try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        except Exception:
-            pass
+        send_error(conn, exc)
         raise
 
 

@@ -16,6 +16,16 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 
+def send_error(conn: Connection, exc: BaseException) -> None:
+    """Child side: answer with ``("error", text)``, the traceback included (best effort:
+    the parent may be gone)."""
+    import traceback
+    try:
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    except Exception:
+        pass
+
+
 class ChildProcess:
     """Start ``python -m module fd *args`` with a connected pipe on ``fd``."""
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from multiprocessing.connection import Connection
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .child import ChildProcess
+from .child import ChildProcess, send_error
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "int8": torch.int8, "uint8": torch.uint8}
@@ -165,16 +164,13 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                         raise ValueError(f"unknown command {cmd!r}")
                     conn.send(("ok", res))
                 except Exception as exc:
-                    conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+                    send_error(conn, exc)
         conn.send(("ok", "closed"))
 
     try:
         anyio.run(main)
     except Exception as exc:
-        try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        except Exception:
-            pass
+        send_error(conn, exc)
 
 
 class PeerProcess:
