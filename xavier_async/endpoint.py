@@ -603,15 +603,12 @@ class Endpoint:
         try:
             self._pack(segments, slot_lists)
             pending = ch.post(plan, codec.encode(codec.LANDED, [req_id, plan.wire_bytes]))
-        except XavierError as exc:
+        except Exception as exc:  # reply with the error; never raise into the poller
             self._send_free.release()
             self._leave_work()
-            self._tg.start_soon(self._after_failure, ch, peer, req_id, exc)
+            err = exc if isinstance(exc, XavierError) else TransferError(f"serving failed: {exc!r}")
+            self._tg.start_soon(self._after_failure, ch, peer, req_id, err)
             return True
-        except BaseException:
-            self._send_free.release()
-            self._leave_work()
-            raise
         if pending is None:
             self._send_free.release()
             self._leave_work()
