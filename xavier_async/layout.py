@@ -81,17 +81,13 @@ class CacheLayout:
 
     def check_compatible(self, peer_wire: list[Any], peer: str) -> None:
         """Raise :class:`LayoutMismatchError` unless the shared layers agree on shape and dtype."""
-        theirs = {_layer_from_wire(layer): spec for layer, spec in peer_wire}
+        theirs = {layer: spec for layer, spec in peer_wire}  # JSON keeps int and str apart
         problems = []
         for layer, spec in self.layers.items():
             if layer in theirs and theirs[layer] != spec.wire():
                 problems.append(f"layer {layer!r}: local {spec.wire()} vs {peer} {theirs[layer]}")
         if problems:
             raise LayoutMismatchError("cache layout mismatch: " + "; ".join(problems))
-
-
-def _layer_from_wire(layer: Any) -> LayerId:
-    return layer  # JSON keeps int and str apart
 
 
 def check_layer_id(layer: object) -> None:

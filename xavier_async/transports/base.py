@@ -87,15 +87,6 @@ class Transport(abc.ABC):
         """Wait until a copy started by :meth:`post` is terminal. The engine calls this
         inside a shielded scope: it must itself end (done, failed, or timed out)."""
 
-    async def write(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> None:
-        """:meth:`post` then, shielded, :meth:`wait`."""
-        import anyio
-
-        pending = self.post(peer, mapping, nbytes, notify)
-        if pending is not None:
-            with anyio.CancelScope(shield=True):
-                await self.wait(pending)
-
     @abc.abstractmethod
     async def send(self, peer: int, msg: bytes) -> None:
         """Send a control message to ``peer``."""
