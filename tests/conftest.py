@@ -12,8 +12,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import torch
 
-from xavier_async import (Endpoint, EndpointConfig, FaultPlan, FaultyTransport, LocalFabric,
-                          LocalTransport, Transport)
+from xavier_async import Endpoint, EndpointConfig, LocalFabric, LocalTransport, Transport
+from xavier_async.bench.raw import accept_raw_copies
+from xavier_async.testing import FaultPlan, FaultyTransport
 
 KiB = 1024
 
@@ -102,16 +103,20 @@ def counting(map_delay: float = 0.0) -> Wrap:
 async def cluster(caches: Sequence[Mapping[object, torch.Tensor]],
                   config: EndpointConfig | Sequence[EndpointConfig] = SMALL_CFG, *,
                   wrap: Mapping[int, Wrap] | None = None,
-                  connect: bool = True) -> AsyncIterator[list[Endpoint]]:
+                  connect: bool = True, raw_copies: bool = False) -> AsyncIterator[list[Endpoint]]:
     """Open one endpoint per cache dict (rank = index) on one local fabric and connect
-    every pair. ``wrap[rank]`` builds that endpoint's transport."""
+    every pair. ``wrap[rank]`` builds that endpoint's transport; ``raw_copies``: every
+    endpoint accepts the benchmark's bare copies."""
     fabric = LocalFabric()
     configs = [config] * len(caches) if isinstance(config, EndpointConfig) else list(config)
     async with AsyncExitStack() as stack:
         eps = []
         for rank, c in enumerate(caches):
             t = (wrap or {}).get(rank, LocalTransport)(fabric)
-            eps.append(await stack.enter_async_context(Endpoint(rank, c, t, configs[rank])))
+            ep = Endpoint(rank, c, t, configs[rank])
+            if raw_copies:
+                accept_raw_copies(ep)
+            eps.append(await stack.enter_async_context(ep))
         if connect:
             for i in range(len(eps)):
                 for j in range(i + 1, len(eps)):
@@ -126,7 +131,7 @@ def run_bench_cli(tmp_dir, *args: str) -> tuple[str, dict]:
     import subprocess
     import sys
     out = tmp_dir / "bench.json"
-    cmd = [sys.executable, "-m", "xavier_async.cli", "bench", "--quick", "--full", "2MiB",
+    cmd = [sys.executable, "-m", "xavier_async.bench", "bench", "--quick", "--full", "2MiB",
            "--small", "64KiB", "--alloc-copies", "300", *args, "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

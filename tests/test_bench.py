@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from xavier_async.bench import BenchOptions, bench_layout, make_trace, trace_payload
-from xavier_async.cli import build_parser
+from xavier_async.bench.cli import build_parser
 
 from .conftest import run_bench_cli
 

@@ -14,6 +14,8 @@ import anyio
 import pytest
 import torch
 
+from xavier_async.bench.raw import copy_raw
+
 from xavier_async import EndpointClosedError, EndpointConfig
 
 from .conftest import (KiB, CountingTransport, assert_caches_unchanged, assert_same_bytes,
@@ -209,30 +211,30 @@ async def test_a_load_that_never_started_is_cancelled_at_once():
 
 async def test_cancelled_registration_is_not_cached():
     cs = caches(2)
-    async with cluster(cs, cfg(accept_raw_copies=True),
+    async with cluster(cs, cfg(), raw_copies=True,
                        wrap={0: lambda f: CountingTransport(f, map_delay=STALL)}) as (a, b):
         a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 253)
         with anyio.move_on_after(EARLY) as scope:
-            await a.copy_raw(1, 100)
+            await copy_raw(a, 1, 100)
         assert scope.cancelled_caught
         ch = a.channel(1)
         assert ch.mapped_views == () and ch.policy.state == "full"
         assert a.metrics.peer(1).batches_sent == 0
-        assert await a.copy_raw(1, 100) == 16 * KiB
+        assert await copy_raw(a, 1, 100) == 16 * KiB
         assert a.transport.map_calls == 2 and a.transport.map_done == 1
         assert_same_bytes(b.recv_slab.tensor, a.send_slab.tensor)
 
 
 async def test_cancelled_raw_copy_waits_for_the_write():
     cs = caches(2)
-    async with cluster(cs, cfg(accept_raw_copies=True), wrap={0: faulty()}) as (a, b):
+    async with cluster(cs, cfg(), raw_copies=True, wrap={0: faulty()}) as (a, b):
         a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 241)
-        await a.copy_raw(1, 16 * KiB)                  # mapped, warm
+        await copy_raw(a, 1, 16 * KiB)                  # mapped, warm
         a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 239)
         a.transport.stall_next_writes(1, STALL)
         t0 = time.monotonic()
         with anyio.move_on_after(EARLY) as scope:
-            await a.copy_raw(1, 16 * KiB)
+            await copy_raw(a, 1, 16 * KiB)
         assert scope.cancelled_caught and time.monotonic() - t0 >= STALL * MARGIN
         assert_same_bytes(b.recv_slab.tensor, a.send_slab.tensor)   # the copy completed
         assert a.metrics.peer(1).batches_sent == 2
@@ -240,13 +242,13 @@ async def test_cancelled_raw_copy_waits_for_the_write():
 
 async def test_native_cancel_of_a_raw_copy_waits_for_the_write():
     cs = caches(2)
-    async with cluster(cs, cfg(accept_raw_copies=True), wrap={0: faulty()}) as (a, b):
+    async with cluster(cs, cfg(), raw_copies=True, wrap={0: faulty()}) as (a, b):
         a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 241)
-        await a.copy_raw(1, 16 * KiB)
+        await copy_raw(a, 1, 16 * KiB)
         a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 239)
         a.transport.stall_next_writes(1, STALL)
         t0 = time.monotonic()
-        task = asyncio.ensure_future(a.copy_raw(1, 16 * KiB))
+        task = asyncio.ensure_future(copy_raw(a, 1, 16 * KiB))
         await asyncio.sleep(EARLY)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

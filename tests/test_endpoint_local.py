@@ -8,6 +8,8 @@ import anyio
 import pytest
 import torch
 
+from xavier_async.bench.raw import copy_raw
+
 from xavier_async import (ChannelPolicy, EndpointConfig, InvalidRequestError, RemoteError,
                           UnknownPeerError)
 from xavier_async.layout import SEGMENT_ALIGN, align_up
@@ -337,7 +339,7 @@ async def test_unknown_peer_and_self_loads_rejected():
         with pytest.raises(UnknownPeerError):
             a.channel(3)
         with pytest.raises(UnknownPeerError):
-            await a.copy_raw(3, 16)
+            await copy_raw(a, 3, 16)
         assert b.metrics.peer(0).batches_sent == 0
         assert_caches_unchanged(dst, before)
         assert a.peers == (1,) and b.peers == (0,)
@@ -385,12 +387,12 @@ async def test_registrations_flat_after_warm_up():
 
 
 async def test_copy_raw_follows_the_machine_and_moves_the_slab():
-    cfg = EndpointConfig(full_bytes=8 * KiB, small_bytes=512, accept_raw_copies=True)
+    cfg = EndpointConfig(full_bytes=8 * KiB, small_bytes=512)
     caches = [{0: zero_cache(2, (4,), torch.float32)} for _ in range(2)]
-    async with cluster(caches, cfg) as (a, b):
+    async with cluster(caches, cfg, raw_copies=True) as (a, b):
         a.send_slab.tensor.copy_(torch.randint(0, 256, (8 * KiB,), dtype=torch.uint8,
                                                generator=torch.Generator().manual_seed(1)))
-        views = [await a.copy_raw(1, n) for n in (100, 100, 100, 5000, 512, 1)]
+        views = [await copy_raw(a, 1, n) for n in (100, 100, 100, 5000, 512, 1)]
         assert views == [8 * KiB, 512, 512, 8 * KiB, 8 * KiB, 512]
         assert_same_bytes(b.recv_slab.tensor, a.send_slab.tensor)
         m = a.metrics.peer(1)
@@ -398,7 +400,7 @@ async def test_copy_raw_follows_the_machine_and_moves_the_slab():
         assert m.useful_bytes == 100 * 3 + 5000 + 512 + 1
         for bad in (0, -1, 8 * KiB + 1, True, 1.0):
             with pytest.raises(InvalidRequestError):
-                await a.copy_raw(1, bad)
+                await copy_raw(a, 1, bad)
 
 
 async def test_copy_raw_needs_the_peers_consent():
@@ -406,5 +408,5 @@ async def test_copy_raw_needs_the_peers_consent():
     async with cluster(caches) as (a, b):
         before = b.recv_slab.tensor.clone()
         with pytest.raises(InvalidRequestError, match="raw copies"):
-            await a.copy_raw(1, 16)
+            await copy_raw(a, 1, 16)
         assert_same_bytes(b.recv_slab.tensor, before)

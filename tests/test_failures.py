@@ -8,8 +8,10 @@ import anyio
 import pytest
 import torch
 
-from xavier_async import (EndpointConfig, FaultPlan, FaultyTransport, PeerLostError,
-                          RegistrationError, RetryPolicy, TransferError, UnknownPeerError)
+from xavier_async import (EndpointConfig, PeerLostError, RegistrationError, RetryPolicy,
+                          TransferError, UnknownPeerError)
+from xavier_async.bench.raw import copy_raw
+from xavier_async.testing import FaultPlan, FaultyTransport
 
 from .conftest import (KiB, CountingTransport, assert_caches_unchanged, assert_same_bytes,
                        cluster, faulty, random_cache, snapshot, zero_cache)
@@ -82,13 +84,13 @@ async def test_registration_failure_beyond_budget_is_not_cached():
 
 async def test_registration_failure_through_copy_raw():
     async with cluster([{0: zero_cache(2, (4,), torch.float32)}] * 2,
-                       cfg(accept_raw_copies=True), wrap={0: faulty()}) as (a, b):
+                       cfg(), raw_copies=True, wrap={0: faulty()}) as (a, b):
         a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 251)
         a.transport.fail_next_registrations(3)
         with pytest.raises(RegistrationError):
-            await a.copy_raw(1, 100)
+            await copy_raw(a, 1, 100)
         assert a.channel(1).mapped_views == ()
-        assert await a.copy_raw(1, 100) == 16 * KiB
+        assert await copy_raw(a, 1, 100) == 16 * KiB
         assert_same_bytes(b.recv_slab.tensor, a.send_slab.tensor)
 
 
@@ -126,13 +128,13 @@ async def test_concurrent_callers_share_one_in_flight_registration():
 
         async with anyio.create_task_group() as tg:
             for i in range(20):
-                tg.start_soon(get, i, 16 * KiB if i % 2 else 1 * KiB)
+                tg.start_soon(get, i, "full" if i % 2 else "small")
         assert b.transport.map_calls == 2                  # one per view, not one per caller
         assert b.metrics.peer(0).registrations == 2
         full = {id(m) for i, m in results.items() if i % 2}
         small = {id(m) for i, m in results.items() if not i % 2}
         assert len(full) == 1 and len(small) == 1 and full != small
-        assert await ch.mapping(16 * KiB) is results[1]    # cached from now on
+        assert await ch.mapping("full") is results[1]    # cached from now on
         assert b.transport.map_calls == 2
 
 
@@ -145,7 +147,7 @@ async def test_waiters_retry_after_the_leader_fails():
 
         async def get():
             try:
-                outcomes.append(await ch.mapping(16 * KiB))
+                outcomes.append(await ch.mapping("full"))
             except RegistrationError as exc:
                 outcomes.append(exc)
 
@@ -162,7 +164,7 @@ async def test_waiters_retry_after_the_leader_fails():
 async def test_concurrent_loads_on_a_fresh_channel_register_once():
     caches = [{0: random_cache(32, (1024,), torch.float32, seed=i)} for i in range(2)]  # 4 KiB blocks
     dst_before, src = snapshot(caches[0]), snapshot(caches[1])
-    async with cluster(caches, cfg(accept_raw_copies=True),
+    async with cluster(caches, cfg(), raw_copies=True,
                        wrap={1: lambda f: CountingTransport(f, map_delay=0.02)}) as (a, b):
         publish(b)
         with anyio.fail_after(10):
@@ -170,7 +172,7 @@ async def test_concurrent_loads_on_a_fresh_channel_register_once():
                 for s in range(16):
                     tg.start_soon(a.load, {1: {0: {f"k{s}": s}}})
                 for _ in range(8):
-                    tg.start_soon(b.copy_raw, 0, 8 * KiB)
+                    tg.start_soon(copy_raw, b, 0, 8 * KiB)
         assert b.transport.map_calls == 1                 # every batch was large: full view only
         assert b.metrics.peer(0).registrations == 1
         assert b.metrics.peer(0).batches_sent == 24
@@ -376,8 +378,8 @@ async def test_closed_peer_is_dropped_and_others_keep_working():
 
 async def test_malformed_requests_from_a_peer_are_refused_and_the_source_keeps_serving():
     """A peer that sends garbage gets an error reply; the source's endpoint survives."""
-    from xavier_async import Endpoint, LocalFabric, RemoteError, codec
-    from xavier_async.endpoint import _Waiter
+    from xavier_async import Endpoint, LocalFabric, RemoteError
+    from xavier_async.protocol import Load
 
     fabric = LocalFabric()
     src = {0: torch.arange(64, dtype=torch.float32).view(8, 8)}
@@ -391,11 +393,12 @@ async def test_malformed_requests_from_a_peer_are_refused_and_the_source_keeps_s
                      [2, [[[0], ["k"]]]],        # an unhashable layer
                      [3, [[0, 7]]],              # keys that are not a list
                      [4, "nonsense"]):
-            waiter = b._pending[body[0]] = _Waiter(0)  # as if b had sent this request
-            await b.transport.send(0, codec.encode(codec.LOAD, body))
+            replied = anyio.Event()
+            waiter = b._requests.open(0, replied.set)  # as if b had sent this request
+            await b.transport.send(0, Load(waiter.req_id, body[1]).to_wire())
             with anyio.fail_after(5):
-                await waiter.event.wait()
+                await replied.wait()
             assert isinstance(waiter.error, RemoteError), body
-            b._pending.pop(body[0])
+            b._requests.close(waiter)
         await b.load({0: {0: {"k": 5}}})
         assert torch.equal(dst[0][5], src[0][3])

@@ -1,6 +1,6 @@
 """Real NIXL between OS processes on loopback (DRAM over UCX): bytes, views, registrations,
 a killed peer, and handshake errors. Each child process is one endpoint
-(xavier_async.peer_process); the parent is another."""
+(xavier_async.testing.peer_process); the parent is another."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ pytest.importorskip("nixl")
 
 from xavier_async import (Endpoint, EndpointConfig, HandshakeError, LayoutMismatchError,  # noqa: E402
                           PeerLostError)
-from xavier_async.endpoint import PROTOCOL_VERSION  # noqa: E402
-from xavier_async.peer_process import (LayoutSpec, PeerProcess, PeerSpec,  # noqa: E402
+from xavier_async.protocol import PROTOCOL_VERSION  # noqa: E402
+from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec,  # noqa: E402
                                        all_bf16_patterns, check_loaded, pattern_caches,
                                        zero_caches, zero_slots)
 from xavier_async.transports.nixl import NixlTransport  # noqa: E402
@@ -32,7 +32,7 @@ CHILD = dict(device="cuda:1" if DEVICE == "cuda" else "cpu")
 
 SPEC = LayoutSpec(layers=3, num_slots=48, block_shape=(2, 16, 8, 64), dtype="bfloat16")  # 32 KiB blocks
 FULL, SMALL = 1 << 20, 64 << 10
-CFG = dict(full_bytes=FULL, small_bytes=SMALL, accept_raw_copies=True)
+CFG = dict(full_bytes=FULL, small_bytes=SMALL)
 SEED = 11
 PARENT_RANK = 0
 
@@ -217,7 +217,7 @@ async def test_bad_address_and_mismatches_give_clear_errors(child, monkeypatch):
                         EndpointConfig(full_bytes=2 * FULL, small_bytes=SMALL)) as ep:
         with pytest.raises(HandshakeError, match="slab size mismatch"):
             await ep.connect(child.address)
-    monkeypatch.setattr("xavier_async.endpoint.PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
+    monkeypatch.setattr("xavier_async.protocol.PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
     async with await _parent() as ep:
         with pytest.raises(HandshakeError, match="version"):
             await ep.connect(child.address)

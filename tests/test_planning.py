@@ -1,4 +1,4 @@
-"""Request normalization, batch planning, layouts, slabs, codec and retry policy (pure core)."""
+"""Request normalization, batch planning, layouts, slabs, wire messages and retry policy (pure core)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xavier_async import InvalidRequestError, LayoutMismatchError, RetryPolicy
-from xavier_async import codec
+from xavier_async import protocol
 from xavier_async.layout import SEGMENT_ALIGN, CacheLayout, align_up
 from xavier_async.planning import (Batch, normalize, plan_batches, segment_offsets,
                                    segments_from_wire)
@@ -112,7 +112,7 @@ def check_batches(batches: list[Batch], plan, layout: CacheLayout, full: int) ->
         assert end == b.nbytes
         assert b.useful_bytes == sum(s.nbytes for s in b.segments) <= b.nbytes
         # the source rebuilds the very same offsets from the keys alone
-        segs, payload = segments_from_wire(codec.decode(codec.encode(codec.LOAD, b.wire()))[1],
+        segs, payload = segments_from_wire(protocol.decode(protocol.Load.of(1, b).to_wire()).batch,
                                            layout)
         assert payload == b.nbytes
         assert [(s.layer, s.keys, s.offset, s.block_nbytes) for s in segs] == \
@@ -284,16 +284,16 @@ def test_slab_sizes_defaults_and_validation():
             slab_sizes(full, small)
 
 
-# -- codec and retry ----------------------------------------------------------------------
+# -- wire messages and retry ----------------------------------------------------------------------
 
 def test_codec_round_trip_and_rejects_garbage():
     body = [7, [[0, ["a", b"\x00\xff", 3]], ["v", 0]]]
-    tag, out = codec.decode(codec.encode(codec.LOAD, body))
-    assert tag == codec.LOAD and out == body
-    assert codec.is_control(codec.encode(codec.LANDED, [1, 2]))
+    out = protocol.decode(protocol.Load(body[0], body[1]).to_wire())
+    assert out == protocol.Load(7, body[1])
+    assert protocol.decode(protocol.Landed(1, 2).to_wire()) == protocol.Landed(1, 2)
     for garbage in (b"", b"X", b"XY{}", b"ZZL[]"):
         with pytest.raises(ValueError):
-            codec.decode(garbage)
+            protocol.decode(garbage)
 
 
 def test_retry_policy_delays_and_validation():

@@ -10,8 +10,8 @@ import anyio
 import pytest
 import torch
 
-from xavier_async import (Endpoint, EndpointConfig, FaultyTransport, LocalFabric, LocalTransport,
-                          RemoteError, codec)
+from xavier_async import Endpoint, EndpointConfig, LocalFabric, LocalTransport, RemoteError, protocol
+from xavier_async.testing import FaultyTransport
 
 from .conftest import assert_same_bytes, random_cache, zero_cache
 
@@ -36,8 +36,8 @@ async def test_hostile_control_messages_are_dropped_and_the_endpoint_keeps_worki
         await b.connect(a.address)
         a.publish("k", 2)
         for inline in (False, True):
-            a.deliver(1, msg, inline)
-            b.deliver(0, msg, inline)
+            a._host.deliver(1, msg, inline)
+            b._host.deliver(0, msg, inline)
         await anyio.sleep(0.01)
         await b.load({0: {0: {"k": 5}}})
         assert_same_bytes(dst[0][5], src[0][2])
@@ -46,7 +46,7 @@ async def test_hostile_control_messages_are_dropped_and_the_endpoint_keeps_worki
 def test_codec_turns_every_malformed_body_into_value_error():
     for msg in (b'XAD{"b":5}', b"XAD[7,1e999]x", b"XAD" + b"[" * 100000, b"XAD\xff"):
         with pytest.raises(ValueError):
-            codec.decode(msg)
+            protocol.decode(msg)
 
 
 class _SlowMapTransport(LocalTransport):
@@ -71,7 +71,7 @@ async def test_a_reset_during_registration_makes_the_channel_choose_again():
         await a.connect(b.address)
         ch = a.channel(1)
         t.go.set()
-        await ch.mapping(4096)                  # the full view is mapped
+        await ch.mapping("full")                # the full view is mapped
         ch.policy.select(100)                   # now in streak_1: the next small batch wants the small view
         t.go = anyio.Event()
         t.entered = anyio.Event()

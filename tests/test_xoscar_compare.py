@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from xavier_async import anchor_xoscar, bench, cli
+from xavier_async.bench import cli
+from xavier_async.bench import suite as bench
+from xavier_async.bench import xoscar_anchor as anchor_xoscar
 from xavier_async.bench import BenchOptions
 
 from .conftest import run_bench_cli

@@ -9,14 +9,14 @@ from .errors import (EndpointClosedError, HandshakeError, InvalidRequestError,
 from .metrics import EndpointMetrics, PeerMetrics
 from .policy import ChannelPolicy, build_machine
 from .retry import RetryPolicy
-from .transports import FaultPlan, FaultyTransport, LocalFabric, LocalTransport, Transport
+from .transports import LocalFabric, LocalTransport, Transport
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ChannelPolicy", "build_machine", "Endpoint", "EndpointConfig", "LoadResult",
     "PeerChannel", "RetryPolicy", "EndpointMetrics", "PeerMetrics",
-    "Transport", "LocalFabric", "LocalTransport", "FaultPlan", "FaultyTransport",
+    "Transport", "LocalFabric", "LocalTransport",
     "XavierError", "InvalidRequestError", "LayoutMismatchError", "UnknownPeerError",
     "EndpointClosedError", "RegistrationError", "TransferError", "PeerLostError",
     "RemoteError", "HandshakeError", "__version__",

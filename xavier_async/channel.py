@@ -18,20 +18,23 @@ from .layout import align_up
 from .metrics import PeerMetrics
 from .policy import ChannelPolicy
 from .retry import RetryPolicy
+from .shielded import wait_terminal
+from .sizes import SMALL, View
 from .slabs import Slab
 from .transports.base import Transport
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CopyPlan:
     """What one write will do: through which view, how many bytes on the wire."""
 
     payload: int
+    view: View
     view_bytes: int
     wire_bytes: int
     mapping: object
     #: block bytes in the payload (the payload minus alignment gaps between segments)
-    useful: int = -1
+    useful: int
 
 
 class PeerChannel:
@@ -47,23 +50,28 @@ class PeerChannel:
         self.metrics = metrics
         self.trimmed = trimmed
         self.trim_align = trim_align
-        self._mappings: dict[int, object] = {}
+        self._mappings: dict[View, object] = {}
         self._map_lock = anyio.Lock(fast_acquire=True)
-        self._last_view = 0
+        self._last_view: View | None = None
+
+    @property
+    def mapped(self) -> dict[View, object]:
+        """The views mapped for this peer (by name) and their transport mappings."""
+        return self._mappings
 
     @property
     def mapped_views(self) -> tuple[int, ...]:
         """Sizes of the views currently mapped for this peer."""
-        return tuple(sorted(self._mappings))
+        return tuple(sorted(self.send_slab[v].nbytes for v in self._mappings))
 
-    async def mapping(self, view_bytes: int) -> object:
+    async def mapping(self, name: View) -> object:
         """The mapping for a view, registering it on first use (single flight, retried)."""
-        m = self._mappings.get(view_bytes)
+        m = self._mappings.get(name)
         if m is not None:
             return m
-        view = self.send_slab.view(view_bytes)
+        view = self.send_slab[name]
         async with self._map_lock:
-            m = self._mappings.get(view_bytes)
+            m = self._mappings.get(name)
             if m is not None:
                 return m
             delays = self.retry.delays()
@@ -83,33 +91,33 @@ class PeerChannel:
                     self.metrics.retries += 1
                     await anyio.sleep(delay)
                 else:
-                    self._mappings[view_bytes] = m
+                    self._mappings[name] = m
                     self.metrics.registrations += 1
                     return m
 
-    def plan_now(self, payload: int, useful: int | None = None) -> CopyPlan | None:
-        """The copy plan if the view the machine would choose is already mapped: the choice
-        is committed (the machine advances) and nothing is awaited. ``None`` (state
-        untouched) when that view still has to be mapped."""
-        view_bytes = self.policy.peek(payload)
-        mapping = self._mappings.get(view_bytes)
-        if mapping is None:
-            return None
-        self.policy.select(payload)
+    def commit(self, payload: int, view: View, useful: int) -> CopyPlan:
+        """Advance the machine for a batch whose view (``view``, mapped, just decided by
+        peeking at the machine) is about to be written; nothing may be awaited between
+        that decision and this call."""
+        chosen = self.policy.commit(payload)
+        assert chosen == view, (chosen, view)
+        view_bytes = self.policy.sizes.nbytes(view)
         wire = min(view_bytes, align_up(payload, self.trim_align)) if self.trimmed else view_bytes
-        return CopyPlan(payload, view_bytes, wire, mapping, payload if useful is None else useful)
+        return CopyPlan(payload, view, view_bytes, wire, self._mappings[view], useful)
 
-    async def prepare(self, payload: int, useful: int | None = None) -> CopyPlan:
-        """Choose the view for a batch, make sure it is mapped, then commit the choice.
+    async def prepare(self, payload: int) -> CopyPlan:
+        """Choose the view for a bare copy, make sure it is mapped, then commit the choice.
 
         The machine only advances once the mapping exists, so a failed registration leaves
         the channel's state as it was (and a reset during the registration is honoured:
         the choice is made again afterwards)."""
+        if not 0 < payload <= self.policy.full_bytes:
+            self.policy.select(payload)  # raises the policy's own error
         while True:
-            plan = self.plan_now(payload, useful)
-            if plan is not None:
-                return plan
-            await self.mapping(self.policy.peek(payload))
+            view = self.policy.peek_view(payload)
+            if view in self._mappings:
+                return self.commit(payload, view, payload)
+            await self.mapping(view)
 
     def post(self, plan: CopyPlan, notify: bytes | None) -> object | None:
         """Start the copy (synchronous). ``None`` if it already finished (metrics are
@@ -126,17 +134,8 @@ class PeerChannel:
 
     async def finish(self, plan: CopyPlan, pending: object) -> None:
         """Wait, shielded, until a posted copy is terminal; count it, or reset and raise."""
-        held: BaseException | None = None
         try:
-            with anyio.CancelScope(shield=True):
-                while True:
-                    try:
-                        await self.transport.wait(pending)
-                        break
-                    except anyio.get_cancelled_exc_class() as exc:
-                        # a native asyncio Task.cancel() gets through the shield: the
-                        # copy is still under way, so wait again and re-raise afterwards
-                        held = exc
+            held = await wait_terminal(lambda: self.transport.wait(pending))
         except Exception as exc:
             err = self._failed(exc)
             await self.forget()
@@ -165,22 +164,22 @@ class PeerChannel:
     def _account(self, plan: CopyPlan) -> None:
         m = self.metrics
         m.batches_sent += 1
-        m.useful_bytes += plan.useful if plan.useful >= 0 else plan.payload
+        m.useful_bytes += plan.useful
         m.wire_bytes += plan.wire_bytes
-        if plan.view_bytes == self.policy.small_bytes and plan.view_bytes != self.policy.full_bytes:
+        if plan.view == SMALL:
             m.copies_small += 1
         else:
             m.copies_full += 1
-        if self._last_view and self._last_view != plan.view_bytes:
+        if self._last_view is not None and self._last_view != plan.view:
             m.view_switches += 1
-        self._last_view = plan.view_bytes
+        self._last_view = plan.view
 
     def reset_now(self) -> None:
         """Back to ``full`` with no mappings (after a transport failure or a lost peer);
         the transport's own mappings are dropped by :meth:`forget`."""
         self.policy.reset()
         self._mappings.clear()
-        self._last_view = 0
+        self._last_view = None
         self.metrics.resets += 1
 
     async def forget(self) -> None:

@@ -21,18 +21,17 @@ The view used is the view of the state *after* the event.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Final
 
 from transitions import Machine
 
+from ._checks import check_int
 from .errors import InvalidRequestError
+from .sizes import FULL, SMALL, SlabSizes, View
 
 SMALL_BATCH: Final = "small_batch"
 LARGE_BATCH: Final = "large_batch"
 EVENTS: Final = (SMALL_BATCH, LARGE_BATCH)
-FULL: Final = "full"
-SMALL: Final = "small"
 DEFAULT_STREAK: Final = 2
 
 
@@ -42,12 +41,12 @@ def state_names(streak: int = DEFAULT_STREAK) -> list[str]:
     return [FULL, *(f"streak_{i}" for i in range(1, streak)), SMALL]
 
 
-def state_view(state: str) -> str:
+def state_view(state: str) -> View:
     """The slab view (``"full"`` or ``"small"``) a state copies through."""
     return SMALL if state == SMALL else FULL
 
 
-def build_machine(streak: int = DEFAULT_STREAK, model: object | None = None) -> Machine:
+def build_machine(streak: int = DEFAULT_STREAK) -> Machine:
     """Build the channel machine with :mod:`transitions`: the one definition of the policy.
 
     ``streak`` is how many consecutive small batches it takes before the small view is
@@ -60,7 +59,7 @@ def build_machine(streak: int = DEFAULT_STREAK, model: object | None = None) -> 
         transitions.append({"trigger": SMALL_BATCH, "source": src, "dest": nxt})
         transitions.append({"trigger": LARGE_BATCH, "source": src, "dest": FULL})
     return Machine(
-        model=model if model is not None else "self",
+        model="self",
         states=states,
         transitions=transitions,
         initial=FULL,
@@ -83,23 +82,8 @@ def transition_table(streak: int = DEFAULT_STREAK) -> dict[tuple[str, str], str]
     return table
 
 
-def _check_streak(streak: int) -> None:
-    if isinstance(streak, bool) or not isinstance(streak, int) or streak < 1:
-        raise InvalidRequestError(f"streak must be an integer >= 1, got {streak!r}")
-
-
-def check_size(name: str, value: object, *, minimum: int = 1) -> int:
-    """Validate a byte count/budget: an int (not bool) >= ``minimum``."""
-    if isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
-    if not isinstance(value, int):
-        try:
-            value = operator.index(value)  # type: ignore[arg-type]  # numpy / torch ints
-        except TypeError:
-            raise InvalidRequestError(f"{name} must be an integer, got {value!r}") from None
-    if value < minimum:
-        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
-    return value
+def _check_streak(streak: object) -> int:
+    return check_int("streak", streak, minimum=1)
 
 
 class ChannelPolicy:
@@ -113,28 +97,34 @@ class ChannelPolicy:
     machine once per streak length.
     """
 
-    __slots__ = ("full_bytes", "small_bytes", "streak", "state", "_next", "_bytes")
+    __slots__ = ("sizes", "full_bytes", "small_bytes", "streak", "state", "_next", "_view",
+                 "_bytes")
 
     def __init__(self, full_bytes: int, small_bytes: int, streak: int = DEFAULT_STREAK) -> None:
-        self.full_bytes = check_size("full_bytes", full_bytes)
-        self.small_bytes = check_size("small_bytes", small_bytes)
-        if self.small_bytes > self.full_bytes:
-            raise InvalidRequestError(
-                f"small_bytes ({self.small_bytes}) must not exceed full_bytes ({self.full_bytes})"
-            )
-        _check_streak(streak)
+        self._setup(SlabSizes(full_bytes, small_bytes), _check_streak(streak))
+
+    @classmethod
+    def of(cls, sizes: SlabSizes, streak: int = DEFAULT_STREAK) -> ChannelPolicy:
+        """A policy for already validated sizes (what the endpoint makes per peer)."""
+        self = cls.__new__(cls)
+        self._setup(sizes, _check_streak(streak))
+        return self
+
+    def _setup(self, sizes: SlabSizes, streak: int) -> None:
+        self.sizes = sizes
+        self.full_bytes, self.small_bytes = sizes.full, sizes.small
         self.streak = streak
         table = transition_table(streak)
-        # (state, is_small) -> next state; next state -> bytes of its view
+        # (state, is_small) -> next state; next state -> its view and that view's bytes
         self._next = {(s, e == SMALL_BATCH): d for (s, e), d in table.items()}
-        self._bytes = {s: self.small_bytes if state_view(s) == SMALL else self.full_bytes
-                       for s in state_names(streak)}
+        self._view: dict[str, View] = {s: sizes.view_for(state_view(s)) for s in state_names(streak)}
+        self._bytes = {s: sizes.nbytes(v) for s, v in self._view.items()}
         self.state: str = FULL
 
     def select(self, nbytes: int) -> int:
         """Feed one batch of ``nbytes`` payload; return the bytes of the view to copy through."""
         if type(nbytes) is not int:
-            nbytes = check_size("nbytes", nbytes)
+            nbytes = check_int("nbytes", nbytes)
         if nbytes <= 0:
             raise InvalidRequestError(f"batch payload must be > 0 bytes, got {nbytes}")
         if nbytes > self.full_bytes:
@@ -145,9 +135,18 @@ class ChannelPolicy:
         return self._bytes[state]
 
     def peek(self, nbytes: int) -> int:
-        """The view ``select(nbytes)`` would choose, without changing state."""
-        small = 0 < nbytes <= self.small_bytes
-        return self._bytes[self._next[(self.state, small)]]
+        """The bytes of the view ``select(nbytes)`` would choose, without changing state."""
+        return self._bytes[self._next[(self.state, 0 < nbytes <= self.small_bytes)]]
+
+    def peek_view(self, nbytes: int) -> View:
+        """The view ``select(nbytes)`` would choose, by name, without changing state."""
+        return self._view[self._next[(self.state, 0 < nbytes <= self.small_bytes)]]
+
+    def commit(self, nbytes: int) -> View:
+        """Advance the machine for a batch already validated (``0 < nbytes <= full``) and
+        return the view by name: the hot path's single dict lookup."""
+        self.state = state = self._next[(self.state, nbytes <= self.small_bytes)]
+        return self._view[state]
 
     def reset(self) -> None:
         """Back to ``full`` (used when the peer's channel is reset after a failure)."""

@@ -11,12 +11,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InvalidRequestError
-from .policy import FULL, SMALL, check_size
+from .sizes import DEFAULT_FULL_BYTES, DEFAULT_SMALL_BYTES, FULL, SMALL, KiB, MiB, SlabSizes, View
 
-KiB = 1024
-MiB = 1024 * KiB
-DEFAULT_FULL_BYTES = 12 * MiB
-DEFAULT_SMALL_BYTES = 256 * KiB
+__all__ = ["DEFAULT_FULL_BYTES", "DEFAULT_SMALL_BYTES", "KiB", "MiB", "Slab", "SlabView",
+           "allocate_slabs", "slab_sizes"]
 
 
 @dataclass(eq=False)
@@ -24,7 +22,7 @@ class SlabView:
     """A persistent prefix of a :class:`Slab` (``name`` is ``"full"`` or ``"small"``)."""
 
     slab: Slab
-    name: str
+    name: View
     tensor: torch.Tensor
 
     @property
@@ -51,7 +49,17 @@ class Slab:
 
     def __post_init__(self) -> None:
         self.full = SlabView(self, FULL, self.tensor)
-        self.small = SlabView(self, SMALL, self.tensor[: self.small_bytes])
+        # equal sizes: one view (the small view *is* the full one, mapped once)
+        self.small = (SlabView(self, SMALL, self.tensor[: self.small_bytes])
+                      if self.small_bytes < self.tensor.numel() else self.full)
+
+    def __getitem__(self, view: View) -> SlabView:
+        """A view by name (``"full"`` or ``"small"``)."""
+        if view == FULL:
+            return self.full
+        if view == SMALL:
+            return self.small
+        raise InvalidRequestError(f"unknown view {view!r}: views are 'full' and 'small'")
 
     @property
     def views(self) -> tuple[SlabView, SlabView]:
@@ -72,12 +80,9 @@ class Slab:
 
 
 def slab_sizes(full_bytes: int | None, small_bytes: int | None) -> tuple[int, int]:
-    """Validate sizes; small defaults to ``min(full, 256 KiB)``."""
-    full = check_size("full_bytes", DEFAULT_FULL_BYTES if full_bytes is None else full_bytes)
-    small = min(full, DEFAULT_SMALL_BYTES) if small_bytes is None else check_size("small_bytes", small_bytes)
-    if small > full:
-        raise InvalidRequestError(f"small_bytes ({small}) must not exceed full_bytes ({full})")
-    return full, small
+    """Validated ``(full, small)``; small defaults to ``min(full, 256 KiB)`` (see :class:`SlabSizes`)."""
+    sizes = SlabSizes.of(full_bytes, small_bytes)
+    return sizes.full, sizes.small
 
 
 def allocate_slabs(full_bytes: int, small_bytes: int, device: torch.device) -> tuple[Slab, Slab]:

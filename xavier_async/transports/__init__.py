@@ -1,19 +1,17 @@
-"""Transport plugins: in-process (:class:`LocalTransport`), fault-injecting
-(:class:`FaultyTransport`) and NIXL (:class:`NixlTransport`, imported lazily)."""
+"""Transport plugins: in-process (:class:`LocalTransport`) and NIXL (:class:`NixlTransport`,
+imported lazily). The fault-injecting transport is test support: :mod:`xavier_async.testing`."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from .base import Transport, TransportHost
-from .faulty import FaultPlan, FaultyTransport
 from .local import LocalFabric, LocalTransport
 
 if TYPE_CHECKING:
     from .nixl import NixlTransport
 
-__all__ = ["Transport", "TransportHost", "LocalFabric", "LocalTransport", "FaultPlan",
-           "FaultyTransport", "NixlTransport"]
+__all__ = ["Transport", "TransportHost", "LocalFabric", "LocalTransport", "NixlTransport"]
 
 
 def __getattr__(name: str) -> Any:

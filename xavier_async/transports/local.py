@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..errors import HandshakeError, PeerLostError, TransferError, UnknownPeerError
+from ..errors import HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError
 from .base import Transport
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class LocalTransport(Transport):
         self.fabric = fabric if fabric is not None else LocalFabric()
         self._address: str | None = None
         self._peers: dict[int, LocalTransport] = {}
-        self._mappings: dict[int, set[int]] = {}
+        self._mappings: dict[int, set[str]] = {}
         self.host: TransportHost | None = None
         self.send_slab: Slab | None = None
         self.recv_slab: Slab | None = None
@@ -99,14 +99,15 @@ class LocalTransport(Transport):
         await anyio.lowlevel.checkpoint()
         other = self._peer(peer)
         assert other.recv_slab is not None
-        other.recv_slab.view(view.nbytes)  # the peer must have the same view
-        self._mappings.setdefault(peer, set()).add(view.nbytes)
+        if other.recv_slab[view.name].nbytes != view.nbytes:  # the peer must have the same view
+            raise InvalidRequestError(f"rank {peer} has no receive view like {view}")
+        self._mappings.setdefault(peer, set()).add(view.name)
         return view
 
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
         other = self._peer(peer)
         view: SlabView = mapping  # type: ignore[assignment]
-        if view.nbytes not in self._mappings.get(peer, ()):
+        if view.name not in self._mappings.get(peer, ()):
             raise TransferError(f"view {view} is not mapped for rank {peer}")
         assert other.recv_slab is not None and other.host is not None and self.host is not None
         other.recv_slab.tensor[:nbytes].copy_(view.tensor[:nbytes])

@@ -1,6 +1,6 @@
 """Child processes for ``xavier-async bench --compare xoscar`` (see :mod:`.anchor_xoscar`).
 
-Run as ``python -m xavier_async._xoscar_peer ROLE FD SPEC_JSON``. Each process hosts one
+Run as ``python -m xavier_async.bench._xoscar_peer ROLE FD SPEC_JSON``. Each process hosts one
 xoscar actor pool on ``nixl://127.0.0.1`` (n_process=0: the pool lives in this process):
 
 * ``receiver``: an actor owning the persistent destination buffer (a full tensor and a
@@ -26,7 +26,7 @@ import xoscar as xo
 from nixl._api import nixl_agent
 from xoscar.backends.communication.nixl import NixlChannel
 
-from .child import send_error
+from ..testing.child import send_error
 
 RECEIVER_UID = "xavier-bench-xoscar-receiver"
 SENDER_UID = "xavier-bench-xoscar-sender"
@@ -64,7 +64,7 @@ def install_counters() -> None:
 
 
 def _digest(t: torch.Tensor) -> str:
-    from .peer_process import digest
+    from ..testing.peer_process import digest
     return digest(t)
 
 
@@ -110,7 +110,7 @@ class SenderActor(xo.Actor):
         self.full, self.small = _buffers(spec, spec["seed"] + 77)
 
     async def run(self, receiver_address: str) -> dict[str, Any]:
-        from .policy import ChannelPolicy
+        from ..policy import ChannelPolicy
 
         s = self.spec
         F, S, n, warmup = s["full_bytes"], s["small_bytes"], s["copies"], s["warmup"]

@@ -90,7 +90,8 @@ def check_loaded(caches: Mapping[Any, torch.Tensor], request: Mapping[int, Any],
 def digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (copied to the host)."""
     import hashlib
-    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+    flat = t.detach().cpu().reshape(-1).view(torch.uint8).clone()  # its own storage, exact size
+    return hashlib.sha256(bytes(flat.untyped_storage())).hexdigest()
 
 
 def zero_slots(caches: Mapping[Any, torch.Tensor], request: Mapping[int, Any]) -> None:
@@ -119,14 +120,16 @@ class PeerSpec:
     wrapper: list[str] | None = None
     #: extra environment variables for the child (e.g. ``UCX_TLS``)
     env: dict[str, str] | None = None
+    #: extra hello fields (the benchmark's consent to raw copies, for example)
+    hello_extras: dict[str, Any] = field(default_factory=dict)
 
 
 def _child(conn: Any, spec_d: dict[str, Any]) -> None:
     spec = PeerSpec(**{**spec_d, "layout": LayoutSpec(**spec_d["layout"])})
     import anyio
 
-    from . import Endpoint, EndpointConfig
-    from .transports.nixl import NixlTransport
+    from .. import Endpoint, EndpointConfig
+    from ..transports.nixl import NixlTransport
 
     if spec.torch_threads is not None:
         torch.set_num_threads(spec.torch_threads)
@@ -138,6 +141,7 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
     async def main() -> None:
         caches = pattern_caches(spec.layout, spec.rank, spec.seed, spec.device)
         ep = Endpoint(spec.rank, caches, NixlTransport(**spec.transport), EndpointConfig(**spec.config))
+        ep._hello_extras.update(spec.hello_extras)
         async with ep:
             for slot in range(spec.layout.num_slots):
                 ep.publish(slot, slot)
@@ -182,7 +186,7 @@ class PeerProcess:
         env = dict(spec.env or {})
         if spec.cuda_visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible
-        self._child = ChildProcess("xavier_async.peer_process", [json.dumps(asdict(spec))],
+        self._child = ChildProcess("xavier_async.testing.peer_process", [json.dumps(asdict(spec))],
                                    f"peer process (rank {spec.rank})", env=env, wrapper=spec.wrapper)
         self.proc = self._child.proc
         try:

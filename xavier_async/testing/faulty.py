@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..errors import PeerLostError, TransferError
-from .base import Transport
+from ..transports.base import Transport
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
     from ..slabs import Slab, SlabView
-    from .base import TransportHost
+    from ..transports.base import TransportHost
 
 
 @dataclass

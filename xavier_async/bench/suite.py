@@ -32,13 +32,14 @@ from typing import Any
 import anyio
 import torch
 
-from . import __version__
-from .endpoint import Endpoint, EndpointConfig
-from .peer_process import LayoutSpec, PeerProcess, PeerSpec, check_loaded, digest, pattern_caches, \
+from .. import __version__
+from ..endpoint import Endpoint, EndpointConfig
+from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_loaded, digest, pattern_caches, \
     zero_slots
-from .policy import ChannelPolicy
-from .slabs import KiB, MiB
-from .transports.local import LocalFabric
+from ..policy import ChannelPolicy
+from ..slabs import KiB, MiB
+from ..transports.local import LocalFabric
+from .raw import RAW_COPIES, accept_raw_copies, copy_raw, raw_floor, tune_channel
 
 PEER = 1
 SEED_CASES = ("always_full", "alternating_size_only", "alternating_streak", "sustained_small")
@@ -202,7 +203,7 @@ class NixlRig(Rig):
         return await anyio.to_thread.run_sync(self.peer.call, "recv_digest", nbytes)
 
     def floor(self, nbytes: int, copies: int) -> list[float]:
-        return self.ep.transport.raw_floor(PEER, nbytes, copies)  # type: ignore[attr-defined]
+        return raw_floor(self.ep, PEER, nbytes, copies)
 
 
 # -- sections --------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ async def _copies(ep: Endpoint, sizes: Sequence[int]) -> list[float]:
     perf = time.perf_counter
     for n in sizes:
         t = perf()
-        await ep.copy_raw(PEER, n)
+        await copy_raw(ep, PEER, n)
         out.append(perf() - t)
     return out
 
@@ -233,7 +234,7 @@ async def seed_cases(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, floa
     floor_of = {F: floors["full"]["median_us"], S: floors["small"]["median_us"]}
     out: dict[str, Any] = {}
     for name, (sizes, streak) in seqs.items():
-        ep.tune_channel(PEER, streak=streak, trimmed=False)
+        tune_channel(ep, PEER, streak=streak, trimmed=False)
         await _copies(ep, sizes[: o.warmup])  # warm-up: views mapped, machine in steady state
         regs0 = ep.snapshot_metrics()["registrations"]
         peer_regs0 = (await rig.peer_metrics())["registrations"]
@@ -260,7 +261,7 @@ async def seed_cases(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, floa
             out[name]["ratio_median_to_floor"] = st["median_us"] / floor_of[sizes[0]]
     out["alternating_streak_vs_always_full"] = (out["alternating_streak"]["mean_us"]
                                                 / out["always_full"]["mean_us"])
-    ep.tune_channel(PEER, streak=2, trimmed=False)
+    tune_channel(ep, PEER, streak=2, trimmed=False)
     return out
 
 
@@ -278,7 +279,7 @@ async def e2e_loads(rig: Rig, o: BenchOptions, seed_res: dict[str, Any]) -> dict
              "large": _load_request(keys_full, layout.layers, layout)}    # a full slab
     out: dict[str, Any] = {}
     for name, req in cases.items():
-        ep.tune_channel(PEER, streak=2, trimmed=False)
+        tune_channel(ep, PEER, streak=2, trimmed=False)
         zero_slots(ep.caches, req)
         await ep.load(req)
         verified = check_loaded(ep.caches, req, expected) > 0
@@ -310,7 +311,7 @@ async def trace_replay(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, fl
     out: dict[str, Any] = {"batches": len(trace), "large_batches": sum(b.large for b in trace),
                            "useful_bytes": useful}
     for name, (streak, trimmed) in TRACE_MODES.items():
-        ch = ep.tune_channel(PEER, streak=streak, trimmed=trimmed)
+        ch = tune_channel(ep, PEER, streak=streak, trimmed=trimmed)
         await _copies(ep, [o.full_bytes, o.small_bytes, o.small_bytes])  # map both views
         ch.policy.reset()
         regs0 = ep.snapshot_metrics()["registrations"]
@@ -331,7 +332,7 @@ async def trace_replay(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, fl
     out["floor_ms"] = floor_s * 1e3
     for name in TRACE_MODES:
         out[name]["ratio_total_to_floor"] = out[name]["total_ms"] / out["floor_ms"]
-    ep.tune_channel(PEER, streak=2, trimmed=False)
+    tune_channel(ep, PEER, streak=2, trimmed=False)
     return out
 
 
@@ -393,26 +394,29 @@ def environment(rig: Rig, device: str) -> dict[str, Any]:
 async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
     device = o.resolved_device()
     layout = bench_layout(o.full_bytes)
-    cfg: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, accept_raw_copies=True)
+    cfg: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes)
     here = "cuda:0" if device == "cuda" else "cpu"
     caches = pattern_caches(layout, 0, o.seed, here)
     if o.transport == "local":
         fabric = LocalFabric()
         peer_dev = "cuda:1" if device == "cuda" else "cpu"
-        async with Endpoint(0, caches, fabric.transport(), EndpointConfig(**cfg)) as ep, \
-                Endpoint(PEER, pattern_caches(layout, PEER, o.seed, peer_dev), fabric.transport(),
-                         EndpointConfig(**cfg)) as peer:
+        here_ep = Endpoint(0, caches, fabric.transport(), EndpointConfig(**cfg))
+        peer_ep = Endpoint(PEER, pattern_caches(layout, PEER, o.seed, peer_dev), fabric.transport(),
+                           EndpointConfig(**cfg))
+        accept_raw_copies(peer_ep)
+        async with here_ep as ep, peer_ep as peer:
             for slot in range(layout.num_slots // 2):
                 peer.publish(slot, slot)
             await ep.connect(peer.address)
             _fill_send_slab(ep, o.seed)
             return await body(LocalRig(ep, peer, layout))
-    from .transports.nixl import NixlTransport
+    from ..transports.nixl import NixlTransport
     # one process per GPU, each seeing both (CUDA IPC between them needs that); both poll,
     # so on a machine large enough each gets its own physical core (no SMT sibling)
     cpus = pick_cpus(2) if o.pin_cpus else None
     spec = PeerSpec(rank=PEER, layout=layout, seed=o.seed, device="cuda:1" if device == "cuda" else "cpu",
-                    config=cfg, torch_threads=1 if device == "cpu" else None,
+                    config=cfg, hello_extras={RAW_COPIES: True},
+                    torch_threads=1 if device == "cpu" else None,
                     cpus=[cpus[1]] if cpus else None)
     if cpus:
         os.sched_setaffinity(0, [cpus[0]])
@@ -503,7 +507,7 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
 async def compare_xoscar(o: BenchOptions, res: dict[str, Any], device: str) -> dict[str, Any]:
     """The seed's four cases through xoscar's copy_to (see :mod:`.anchor_xoscar`), with
     the speedup over our numbers of the same run; ``{"error": ...}`` if it cannot run."""
-    from . import anchor_xoscar
+    from . import xoscar_anchor as anchor_xoscar
     if not anchor_xoscar.available():
         return {"error": "xoscar is not installed: pip install 'xavier-async[xoscar]'"}
     try:

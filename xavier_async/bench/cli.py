@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .slabs import KiB, MiB
+from ..slabs import KiB, MiB
 
 
 def _size(text: str) -> int:
@@ -81,10 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import anyio
 
-    from .bench import BenchOptions, run
+    from .suite import BenchOptions, run
 
     if args.compare == "xoscar":
-        from .anchor_xoscar import available
+        from .xoscar_anchor import available
         if not available():
             print("--compare xoscar needs xoscar (with its NIXL channel): "
                   "pip install 'xavier-async[xoscar]'", file=sys.stderr)

@@ -33,7 +33,7 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from .child import ChildProcess
+from ..testing.child import ChildProcess
 
 CASES = ("always_full", "alternating_size_only", "alternating_streak", "sustained_small")
 
@@ -67,12 +67,12 @@ def versions() -> dict[str, str]:
 
 
 def _child(role: str, spec: dict[str, Any]) -> ChildProcess:
-    """One ``python -m xavier_async._xoscar_peer`` process and its pipe."""
-    return ChildProcess("xavier_async._xoscar_peer", [role, json.dumps(spec)], f"xoscar {role} process")
+    """One ``python -m xavier_async.bench._xoscar_peer`` process and its pipe."""
+    return ChildProcess("xavier_async.bench._xoscar_peer", [role, json.dumps(spec)], f"xoscar {role} process")
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
-    from .bench import stats
+    from .suite import stats
     return stats(samples)
 
 

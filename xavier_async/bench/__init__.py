@@ -1,0 +1,6 @@
+"""The benchmark harness (``xavier-async bench``): sections, the xoscar anchor, bare channel
+copies and the command line. The engine never imports this package."""
+
+from .suite import BenchOptions, bench_layout, make_trace, run, stats, trace_payload
+
+__all__ = ["BenchOptions", "bench_layout", "make_trace", "run", "stats", "trace_payload"]

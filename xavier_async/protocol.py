@@ -1,0 +1,372 @@
+"""The wire protocol between endpoints and the source's serve decision (pure: no I/O, no
+event loop, no transport).
+
+Control messages are one of three frozen dataclasses, each with ``to_wire``/``from_wire``:
+
+* :class:`Load` (receiver -> source): serve batch ``batch`` under request id ``req_id``;
+* :class:`Landed` (source -> receiver, carried by the WRITE): the batch's bytes are in the
+  receiver's receive slab;
+* :class:`Error` (source -> receiver): the source refused or failed the request.
+
+On the wire a message is ``b"XA"``, one tag byte and compact JSON (never pickle: a peer can
+never make us execute code; byte keys travel as ``{"b": hex}``). The handshake's
+:class:`Hello` is a JSON object the transport carries; :func:`check_hello` validates a
+peer's. :class:`RequestTable` correlates replies with the receiver's outstanding
+requests. On the source, :func:`parse_load` turns a request into segments once and
+:func:`decide` answers, as often as asked, whether it can be served now (:class:`Ready`),
+needs a view mapped first (:class:`NeedsMapping`) or must be refused (:class:`Refuse`).
+
+Everything here can be fed arbitrary bytes: malformed input raises :class:`ProtocolError`
+(a ``ValueError``) from ``from_wire``/:func:`decode`, or becomes a :class:`Refuse`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Container, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Union
+
+from .errors import (HandshakeError, InvalidRequestError, PeerLostError, RegistrationError,
+                     RemoteError, TransferError, XavierError)
+from .layout import BlockKey, CacheLayout, LayerId
+from .planning import Batch, Segment, segments_from_wire
+from .policy import ChannelPolicy
+from .sizes import SlabSizes, View
+
+PROTOCOL_VERSION: Final = 1
+MAGIC: Final = b"XA"
+LOAD_TAG: Final = b"L"
+LANDED_TAG: Final = b"D"
+ERROR_TAG: Final = b"E"
+
+
+class ProtocolError(ValueError):
+    """A control message that is not well formed (dropped by the receiver)."""
+
+
+_dumps = json.JSONEncoder(separators=(",", ":"), default=lambda o: {"b": o.hex()}).encode
+
+
+def _hook(obj: dict[str, Any]) -> Any:
+    if len(obj) == 1 and "b" in obj:
+        return bytes.fromhex(obj["b"])
+    return obj
+
+
+_loads = json.JSONDecoder(object_hook=_hook).decode
+
+
+def _encode(tag: bytes, body: Any) -> bytes:
+    return MAGIC + tag + _dumps(body).encode()
+
+
+def _req_id(value: object) -> int:
+    if type(value) is not int:
+        raise ProtocolError(f"malformed request id {value!r}")
+    return value
+
+
+# -- messages ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Receiver -> source: pack and write one batch. ``batch`` is :meth:`Batch.wire`'s form
+    (``[[layer, [keys] or 0], ...]``), checked by :func:`parse_load`, not here, so that a
+    malformed batch can still be answered with an :class:`Error` for its request id."""
+
+    req_id: int
+    batch: Any
+
+    @classmethod
+    def of(cls, req_id: int, batch: Batch) -> Load:
+        return cls(req_id, batch.wire())
+
+    def to_wire(self) -> bytes:
+        return _encode(LOAD_TAG, [self.req_id, self.batch])
+
+    @classmethod
+    def from_body(cls, body: Any) -> Load:
+        if not isinstance(body, list) or len(body) != 2:
+            raise ProtocolError("malformed LOAD body")
+        return cls(_req_id(body[0]), body[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    """Source -> receiver, delivered after the WRITE's bytes: ``wire_bytes`` moved."""
+
+    req_id: int
+    wire_bytes: int
+
+    def to_wire(self) -> bytes:
+        return _encode(LANDED_TAG, [self.req_id, self.wire_bytes])
+
+    @classmethod
+    def from_body(cls, body: Any) -> Landed:
+        if not isinstance(body, list) or len(body) != 2 or type(body[1]) is not int or body[1] < 0:
+            raise ProtocolError("malformed LANDED body")
+        return cls(_req_id(body[0]), body[1])
+
+
+#: error kind on the wire <-> the exception the receiver raises (one table, both ways)
+ERROR_KINDS: Final[Mapping[str, type[XavierError]]] = {
+    "lost": PeerLostError,
+    "transfer": TransferError,
+    "registration": RegistrationError,
+    "refused": RemoteError,
+}
+
+
+def _kind_of(exc: BaseException) -> str:
+    for kind, cls in ERROR_KINDS.items():  # PeerLostError before its base TransferError
+        if isinstance(exc, cls):
+            return kind
+    return "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Source -> receiver: request ``req_id`` failed (``kind`` is a key of :data:`ERROR_KINDS`)."""
+
+    req_id: int
+    kind: str
+    text: str
+
+    @classmethod
+    def of(cls, req_id: int, exc: BaseException) -> Error:
+        return cls(req_id, _kind_of(exc), str(exc))
+
+    def exception(self, peer: int) -> XavierError:
+        """The exception the receiver raises (unknown kinds become :class:`RemoteError`)."""
+        return ERROR_KINDS.get(self.kind, RemoteError)(f"rank {peer}: {self.text}")
+
+    def to_wire(self) -> bytes:
+        return _encode(ERROR_TAG, [self.req_id, self.kind, self.text])
+
+    @classmethod
+    def from_body(cls, body: Any) -> Error:
+        if not isinstance(body, list) or len(body) != 3 or not isinstance(body[1], str) \
+                or not isinstance(body[2], str):
+            raise ProtocolError("malformed ERROR body")
+        return cls(_req_id(body[0]), body[1], body[2])
+
+
+Message = Union[Load, Landed, Error]
+_BY_TAG: Final[Mapping[bytes, Callable[[Any], Message]]] = {
+    LOAD_TAG: Load.from_body, LANDED_TAG: Landed.from_body, ERROR_TAG: Error.from_body}
+
+
+def decode(msg: bytes) -> Message:
+    """Bytes from a peer -> a message; :class:`ProtocolError` on anything malformed."""
+    if not isinstance(msg, (bytes, bytearray)) or len(msg) < 3 or msg[:2] != MAGIC:
+        raise ProtocolError(f"not an xavier_async control message: {bytes(msg[:16])!r}")
+    parse = _BY_TAG.get(bytes(msg[2:3]))
+    if parse is None:
+        raise ProtocolError(f"unknown message tag {bytes(msg[2:3])!r}")
+    try:
+        body = _loads(bytes(msg[3:]).decode())
+    except (ValueError, TypeError, RecursionError, OverflowError) as exc:
+        raise ProtocolError(f"malformed control message: {exc!r}") from None
+    return parse(body)
+
+
+# -- the handshake's hello -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hello:
+    """What an endpoint tells a peer when they connect. ``extras`` carries optional,
+    uninterpreted fields (the benchmark's consent to raw copies, for example)."""
+
+    rank: int
+    layout: list[Any]
+    sizes: SlabSizes
+    device: str
+    version: int = PROTOCOL_VERSION
+    extras: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**self.extras, "version": self.version, "rank": self.rank, "layout": self.layout,
+                "full_bytes": self.sizes.full, "small_bytes": self.sizes.small,
+                "device": self.device}
+
+
+def check_hello(local: Hello, peer: Any, layout: CacheLayout) -> int:
+    """Validate a peer's hello against ours; return the peer's rank. Raises
+    :class:`HandshakeError` (or :class:`LayoutMismatchError`) naming the problem."""
+    try:
+        if not isinstance(peer, dict):
+            raise HandshakeError("malformed handshake from peer: hello is not an object")
+        if peer.get("version") != local.version:
+            raise HandshakeError(
+                f"protocol version mismatch: local {local.version}, peer {peer.get('version')!r}")
+        rank = peer.get("rank")
+        if type(rank) is not int or rank < 0:
+            raise HandshakeError(f"peer rank must be an int >= 0, got {rank!r}")
+        if rank == local.rank:
+            raise HandshakeError(f"peer has the same rank as this endpoint ({rank})")
+        for key, mine in (("full_bytes", local.sizes.full), ("small_bytes", local.sizes.small)):
+            if peer.get(key) != mine:
+                raise HandshakeError(
+                    f"slab size mismatch ({key}): local {mine}, peer {peer.get(key)} "
+                    f"(views must match on both ends)")
+        layout.check_compatible(peer.get("layout", []), f"rank {rank}")
+        return rank
+    except XavierError:
+        raise
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+        raise HandshakeError(f"malformed handshake from peer: {exc!r}") from None
+
+
+# -- the receiver's outstanding requests -------------------------------------------------------
+
+class PendingRequest:
+    """One request awaiting its reply. ``on_done`` is called once, when it resolves."""
+
+    __slots__ = ("req_id", "peer", "wire_bytes", "error", "done", "_on_done")
+
+    def __init__(self, req_id: int, peer: int, on_done: Callable[[], None]) -> None:
+        self.req_id, self.peer = req_id, peer
+        self.wire_bytes = 0
+        self.error: XavierError | None = None
+        self.done = False
+        self._on_done = on_done
+
+    def resolve(self, wire_bytes: int) -> None:
+        if not self.done:
+            self.wire_bytes, self.done = wire_bytes, True
+            self._on_done()
+
+    def fail(self, exc: XavierError) -> None:
+        if not self.done:
+            self.error, self.done = exc, True
+            self._on_done()
+
+
+class RequestTable:
+    """Request ids and the replies that match them: a reply counts only if it comes from
+    the peer the request went to."""
+
+    def __init__(self) -> None:
+        self._next = 1
+        self._open: dict[int, PendingRequest] = {}
+
+    def open(self, peer: int, on_done: Callable[[], None]) -> PendingRequest:
+        req = PendingRequest(self._next, peer, on_done)
+        self._next += 1
+        self._open[req.req_id] = req
+        return req
+
+    def close(self, req: PendingRequest) -> None:
+        self._open.pop(req.req_id, None)
+
+    def reply(self, peer: int, msg: Landed | Error) -> PendingRequest | None:
+        """Resolve the request ``msg`` answers; ``None`` for a stray or foreign reply."""
+        req = self._open.get(msg.req_id)
+        if req is None or req.peer != peer:
+            return None
+        if isinstance(msg, Landed):
+            req.resolve(msg.wire_bytes)
+        else:
+            req.fail(msg.exception(peer))
+        return req
+
+    def fail(self, exc: XavierError, peer: int | None = None) -> None:
+        """Fail every open request (to ``peer`` only, if given)."""
+        for req in list(self._open.values()):
+            if peer is None or req.peer == peer:
+                req.fail(exc)
+
+    def __iter__(self) -> Iterator[PendingRequest]:
+        return iter(list(self._open.values()))
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+# -- the source's serve decision ------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ParsedLoad:
+    """A request checked against the source's layout: its segments and payload."""
+
+    req_id: int
+    segments: list[Segment]
+    payload: int
+    useful: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer the request with an :class:`Error`."""
+
+    req_id: int
+    error: XavierError
+
+
+@dataclass(frozen=True, slots=True)
+class NeedsMapping:
+    """The view the channel's machine picks is not mapped yet: map it, then decide again."""
+
+    view: View
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Serve now: pack ``slot_lists`` into the send slab and write through ``view``."""
+
+    load: ParsedLoad
+    slot_lists: list[list[int]]
+    view: View
+
+
+Decision = Union[Refuse, NeedsMapping, Ready]
+
+
+def parse_load(load: Load, layout: CacheLayout, full_bytes: int) -> ParsedLoad | Refuse:
+    """Rebuild a request's segments (same offsets as the receiver computed)."""
+    try:
+        segments, payload = segments_from_wire(load.batch, layout)
+    except InvalidRequestError as exc:
+        return Refuse(load.req_id, exc)
+    except (TypeError, ValueError) as exc:  # a malformed request from the peer
+        return Refuse(load.req_id, InvalidRequestError(f"malformed load request: {exc}"))
+    if payload > full_bytes:
+        return Refuse(load.req_id, InvalidRequestError(f"batch of {payload} B exceeds the full slab"))
+    if payload <= 0:
+        return Refuse(load.req_id, InvalidRequestError("empty load request"))
+    return ParsedLoad(load.req_id, segments, payload, sum(s.nbytes for s in segments))
+
+
+def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]],
+             ) -> list[list[int]] | Refuse:
+    """Source slots of every segment's keys, or a refusal naming the unpublished ones."""
+    slot_lists = []
+    for seg in load.segments:
+        table = published.get(seg.layer, {})
+        try:
+            slot_lists.append([table[k] for k in seg.keys])
+        except (KeyError, TypeError):  # unknown or unhashable keys
+            missing = [k for k in seg.keys if not isinstance(k, (int, str, bytes)) or k not in table]
+            return Refuse(load.req_id, InvalidRequestError(
+                f"block key(s) {missing[:4]!r} not published in layer {seg.layer!r}"))
+    return slot_lists
+
+
+def decide(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]],
+           policy: ChannelPolicy, mapped: Container[View]) -> Decision:
+    """Whether ``load`` can be served now. Pure: the machine is only peeked at; the caller
+    commits the choice when it posts the copy, with nothing awaited in between."""
+    slots = slots_of(load, published)
+    if isinstance(slots, Refuse):
+        return slots
+    view = policy.peek_view(load.payload)
+    if view not in mapped:
+        return NeedsMapping(view)
+    return Ready(load, slots, view)
+
+
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Load", "Landed", "Error", "ERROR_KINDS",
+           "Message", "decode", "Hello", "check_hello", "PendingRequest", "RequestTable",
+           "ParsedLoad", "Refuse", "NeedsMapping", "Ready", "Decision", "parse_load", "slots_of",
+           "decide"]

@@ -1,0 +1,17 @@
+"""Test support for stacks built on xavier_async (like ``trio.testing``): nothing here is
+imported by the engine.
+
+* :class:`FaultyTransport` / :class:`FaultPlan`: a transport wrapper that injects
+  registration failures, copy failures, lost peers and delays, deterministically from a seed;
+* :class:`PeerProcess` / :class:`PeerSpec`: an endpoint in a child process over real NIXL,
+  with caches filled from a seed (:func:`pattern_caches`) so either side can check the
+  bytes it loaded (:func:`check_loaded`).
+"""
+
+from .faulty import FaultPlan, FaultyTransport
+from .peer_process import (LayoutSpec, PeerProcess, PeerSpec, all_bf16_patterns, check_loaded,
+                           digest, pattern_caches, zero_caches, zero_slots)
+
+__all__ = ["FaultPlan", "FaultyTransport", "LayoutSpec", "PeerProcess", "PeerSpec",
+           "all_bf16_patterns", "check_loaded", "digest", "pattern_caches", "zero_caches",
+           "zero_slots"]
