@@ -1,0 +1,135 @@
+"""The package's layers and who may import whom (docs/architecture.md), enforced.
+
+Every import in every module counts, including imports inside functions and under
+``TYPE_CHECKING``: a harness module that the engine imports lazily is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "xavier_async"
+
+#: module (dotted, relative to the package) -> layer
+LAYERS = {
+    "core": ["errors", "_checks", "sizes", "policy", "layout", "planning", "protocol", "retry",
+             "metrics", "diagram"],
+    "shell": ["shielded", "slabs", "packing", "channel", "endpoint", "__init__"],
+    "transports": ["transports"],
+    "testing": ["testing"],
+    "bench": ["bench"],
+    "demo": ["demo"],
+}
+
+#: layer -> the layers it may import (its own included)
+ALLOWED = {
+    "core": {"core"},
+    "shell": {"core", "shell", "transports"},
+    "transports": {"core", "transports"},
+    "testing": {"core", "shell", "transports", "testing"},
+    "bench": {"core", "shell", "transports", "testing", "bench"},
+    "demo": {"core", "shell", "transports", "testing", "demo"},
+}
+#: the shell modules a transport may name (for types only: slabs are what it registers)
+SHELL_TYPES = {"slabs"}
+#: third-party modules the pure core must not import (no event loop, no transport)
+NOT_IN_CORE = {"anyio", "nixl", "trio", "asyncio", "socket"}
+
+
+def layer_of(module: str) -> str:
+    top = module.split(".")[0]
+    for layer, mods in LAYERS.items():
+        if top in mods:
+            return layer
+    raise AssertionError(f"module {module!r} belongs to no layer: add it to docs/architecture.md "
+                         f"and to LAYERS here")
+
+
+def modules() -> list[tuple[str, Path]]:
+    """``(dotted name relative to the package, path)``; a package's ``__init__`` is the
+    package's own name (the root's is ``__init__``)."""
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        parts = path.relative_to(PKG).with_suffix("").parts
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        out.append((".".join(parts), path))
+    return out
+
+
+def imports_of(path: Path) -> list[str]:
+    """Every module imported anywhere in a file, as absolute dotted names."""
+    rel = path.relative_to(PKG.parent).with_suffix("").parts
+    package = list(rel[:-1])  # the package this file belongs to (for an __init__, itself)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                found.append(node.module or "")
+                continue
+            base = package[: len(package) - node.level + 1]
+            if node.module:
+                found.append(".".join([*base, node.module]))
+            else:  # from . import a, b: each name is a module or a member of the package
+                found.extend(".".join([*base, a.name]) for a in node.names)
+    return found
+
+
+def internal(mod: str) -> str | None:
+    """The package-relative module an import of ours names (``None`` for third-party ones);
+    ``from pkg import name`` where ``name`` is not a module names ``pkg``."""
+    if mod != "xavier_async" and not mod.startswith("xavier_async."):
+        return None
+    rel = mod.removeprefix("xavier_async").removeprefix(".")
+    while rel and rel not in NAMES:
+        rel = rel.rpartition(".")[0]
+    return rel or "__init__"
+
+
+ALL = modules()
+NAMES = {n for n, _ in ALL}
+
+
+@pytest.mark.parametrize("name,path", ALL, ids=[n for n, _ in ALL])
+def test_module_imports_follow_the_layers(name, path):
+    mine = layer_of(name)
+    for mod in imports_of(path):
+        target = internal(mod)
+        if target is None:
+            if mine == "core":
+                assert mod.split(".")[0] not in NOT_IN_CORE, f"{name} (pure core) imports {mod}"
+            continue
+        theirs = layer_of(target)
+        if mine == "transports" and theirs == "shell" and target in SHELL_TYPES:
+            continue
+        assert theirs in ALLOWED[mine], f"{name} ({mine}) imports {target} ({theirs})"
+
+
+def test_the_import_reader_sees_relative_imports():
+    """A guard on the checker itself: relative imports resolve to our modules."""
+    seen = {internal(m) for _, p in ALL for m in imports_of(p)} - {None}
+    assert {"endpoint", "protocol", "transports.base", "testing.peer_process", "policy"} <= seen
+    names = {n for n, _ in ALL}
+    assert {"endpoint", "bench.suite", "testing.faulty", "transports.nixl", "__init__"} <= names
+
+
+def test_the_engine_imports_nothing_from_the_harness():
+    for name, path in ALL:
+        if layer_of(name) not in ("core", "shell", "transports"):
+            continue
+        for mod in imports_of(path):
+            target = internal(mod) or ""
+            assert target.split(".")[0] not in ("testing", "bench", "demo"), f"{name} imports {mod}"
+
+
+def test_the_architecture_page_lists_every_layer_and_module():
+    page = (PKG.parent / "docs" / "architecture.md").read_text()
+    for mods in LAYERS.values():
+        for mod in mods:
+            if mod != "__init__":
+                assert f"`{mod}" in page, f"docs/architecture.md does not mention {mod}"
