@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -65,14 +66,10 @@ class Browser:
     def __init__(self, binary: str, profile: Path, port: int) -> None:
         to_r, self._to_w = os.pipe()
         self._from_r, from_w = os.pipe()
-
-        def wire_fds() -> None:  # in the child, before exec
-            # via fds >= 10: the pipe ends may themselves be 3 or 4, and dup2 onto the same
-            # number would keep their close-on-exec flag
-            r, w = fcntl.fcntl(to_r, fcntl.F_DUPFD, 10), fcntl.fcntl(from_w, fcntl.F_DUPFD, 10)
-            os.dup2(r, 3)
-            os.dup2(w, 4)
-
+        # the browser's ends, moved to fds >= 10 so that the redirections below cannot clash
+        r, w = fcntl.fcntl(to_r, fcntl.F_DUPFD, 10), fcntl.fcntl(from_w, fcntl.F_DUPFD, 10)
+        os.close(to_r)
+        os.close(from_w)
         args = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--disable-quic",
@@ -82,10 +79,15 @@ class Browser:
                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
                 "--proxy-server=http://127.0.0.1:9", f"--proxy-bypass-list=127.0.0.1:{port}",
                 "--window-size=1280,2000", "--remote-debugging-pipe", "about:blank"]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, preexec_fn=wire_fds, close_fds=False)
-        os.close(to_r)
-        os.close(from_w)
+        # a tiny exec wrapper puts the pipe ends on fds 3 and 4, where --remote-debugging-pipe
+        # wants them (no preexec_fn: this process has threads)
+        wire = ("import os, sys; r, w = int(sys.argv[1]), int(sys.argv[2]); os.dup2(r, 3); "
+                "os.dup2(w, 4); os.close(r); os.close(w); os.execv(sys.argv[3], sys.argv[3:])")
+        self.proc = subprocess.Popen([sys.executable, "-c", wire, str(r), str(w), *args],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, pass_fds=(r, w))
+        os.close(r)
+        os.close(w)
         self._buf = b""
         self._next_id = 0
         self.events: list[dict[str, Any]] = []
@@ -106,6 +108,8 @@ class Browser:
 
     def _read(self) -> dict[str, Any]:
         while b"\0" not in self._buf:
+            if not select.select([self._from_r], [], [], WAIT_S)[0]:
+                raise RuntimeError(f"no answer from the browser in {WAIT_S:.0f} s")
             chunk = os.read(self._from_r, 1 << 20)
             if not chunk:
                 raise RuntimeError(f"browser exited (rc {self.proc.poll()})")
@@ -223,7 +227,7 @@ def browser(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
 
 
 # -- the checks -----------------------------------------------------------------------------
-def test_the_built_site_references_nothing_off_site(site: Path):
+def test_the_built_site_references_nothing_off_site(site: Path) -> None:
     """No script, stylesheet or font is fetched from another host (the CDN Mermaid, Google
     Fonts): the pages need only the server they come from."""
     offsite = []
@@ -237,14 +241,15 @@ def test_the_built_site_references_nothing_off_site(site: Path):
     assert (site / "assets" / "mermaid" / "LICENSE").exists()
 
 
-def test_every_page_with_a_diagram_is_checked(site: Path):
+def test_every_page_with_a_diagram_is_checked(site: Path) -> None:
     with_diagrams = {p.parent.name for p in site.rglob("index.html")
                      if 'class="mermaid"' in p.read_text(encoding="utf-8")}
     assert with_diagrams == set(EXPECTED)
 
 
 @pytest.mark.parametrize("page", sorted(EXPECTED))
-def test_diagrams_draw_offline(page: str, site: Path, server: str, browser: Browser, tmp_path: Path):
+def test_diagrams_draw_offline(page: str, site: Path, server: str, browser: Browser,
+                               tmp_path: Path) -> None:
     source = (site / page / "index.html").read_text(encoding="utf-8")
     fences = [html.unescape(m) for m in re.findall(r'<pre class="mermaid"><code>(.*?)</code></pre>', source, re.S)]
     assert fences, f"{page}: no mermaid block in the built page"
