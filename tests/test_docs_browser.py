@@ -251,7 +251,8 @@ def test_every_page_with_a_diagram_is_checked(site: Path) -> None:
 def test_diagrams_draw_offline(page: str, site: Path, server: str, browser: Browser,
                                tmp_path: Path) -> None:
     source = (site / page / "index.html").read_text(encoding="utf-8")
-    fences = [html.unescape(m) for m in re.findall(r'<pre class="mermaid"><code>(.*?)</code></pre>', source, re.S)]
+    blocks = re.findall(r'<pre class="mermaid"><code>(.*?)</code></pre>', source, re.S)
+    fences = [html.unescape(b) for b in blocks]
     assert fences, f"{page}: no mermaid block in the built page"
 
     session = browser.open(f"{server}/{page}/")
@@ -274,6 +275,7 @@ def test_diagrams_draw_offline(page: str, site: Path, server: str, browser: Brow
         assert label in drawing, f"{page}: {label!r} not in the drawn diagram"
     assert "Syntax error" not in drawing, f"{page}: Mermaid drew its error diagram"
     for fence in fences:  # the source is gone from the page: its first line is not shown
-        first = next(line.strip() for line in fence.splitlines() if line.strip() and not line.startswith("%%"))
+        first = next(line.strip() for line in fence.splitlines()
+                     if line.strip() and not line.startswith("%%"))
         assert first not in light_text, f"{page}: the diagram source ({first!r}) is shown"
     browser.send("Page.close", session=session)
