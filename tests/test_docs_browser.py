@@ -74,10 +74,11 @@ class Browser:
                 "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--disable-quic",
                 "--disable-extensions", "--mute-audio", f"--user-data-dir={profile}",
-                # no network besides the local server: nothing else resolves, and anything
-                # else (an IP literal too) is sent to a proxy port where nothing listens
+                # no network besides the local server: no host name resolves, and anything
+                # else (an IP literal, another loopback port too: <-loopback> drops the
+                # implicit loopback bypass) goes to a proxy port where nothing listens
                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
-                "--proxy-server=http://127.0.0.1:9", f"--proxy-bypass-list=127.0.0.1:{port}",
+                "--proxy-server=http://127.0.0.1:9", f"--proxy-bypass-list=<-loopback>;127.0.0.1:{port}",
                 "--window-size=1280,2000", "--remote-debugging-pipe", "about:blank"]
         # a tiny exec wrapper puts the pipe ends on fds 3 and 4, where --remote-debugging-pipe
         # wants them (no preexec_fn: this process has threads)
@@ -196,18 +197,30 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def server(site: Path) -> Iterator[str]:
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
+class Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+
+def serve(directory: Path) -> Iterator[str]:
+    handler = functools.partial(Quiet, directory=str(directory))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
     httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(site: Path) -> Iterator[str]:
+    yield from serve(site)
+
+
+@pytest.fixture
+def other_server(tmp_path: Path) -> Iterator[str]:
+    (tmp_path / "probe.txt").write_text("reachable")
+    yield from serve(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +252,29 @@ def test_the_built_site_references_nothing_off_site(site: Path) -> None:
     assert not offsite, offsite
     assert (site / "assets" / "mermaid" / "mermaid.min.js").exists()
     assert (site / "assets" / "mermaid" / "LICENSE").exists()
+
+
+def test_the_browser_reaches_only_the_site_server(server: str, browser: Browser, other_server: str) -> None:
+    """The isolation the checks rely on: from a page of the site, the site's server answers,
+    and another server on another loopback port, or any host name, does not."""
+    session = browser.open(f"{server}/")
+    deadline = time.monotonic() + WAIT_S
+    while browser.send("Runtime.evaluate", {"expression": "document.readyState", "returnByValue": True},
+                       session=session)["result"].get("value") != "complete":
+        assert time.monotonic() < deadline, "the index page did not load"
+        time.sleep(0.1)
+
+    def reach(url: str) -> str:
+        expr = f"fetch({url!r}, {{mode: 'no-cors'}}).then(() => 'reached', () => 'blocked')"
+        reply = browser.send("Runtime.evaluate", {"expression": expr, "awaitPromise": True,
+                                                  "returnByValue": True}, session=session)
+        return str(reply["result"]["value"])
+
+    assert reach(f"{server}/search/search_index.json") == "reached"
+    assert reach(f"{other_server}/probe.txt") == "blocked"
+    assert reach("http://localhost:9/") == "blocked"
+    assert reach("https://unpkg.com/mermaid@11/dist/mermaid.min.js") == "blocked"
+    browser.send("Page.close", session=session)
 
 
 def test_every_page_with_a_diagram_is_checked(site: Path) -> None:
