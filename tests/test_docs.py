@@ -196,7 +196,7 @@ def test_pages_name_only_tests_and_files_that_exist():
 
 def test_mermaid_blocks_avoid_statement_separators():
     """`;` ends a Mermaid statement: inside a label it silently breaks the diagram (the page
-    then shows the source). Checked here because CI has no browser to render them."""
+    then shows the source). A cheap early check; tests/test_docs_browser.py draws them."""
     bad = []
     for page in sorted(DOCS.rglob("*.md")):
         text = page.read_text(encoding="utf-8")
@@ -208,6 +208,18 @@ def test_mermaid_blocks_avoid_statement_separators():
 
 
 # -- the site -------------------------------------------------------------------------------
+def test_vendored_mermaid_is_the_pinned_release_with_its_licence():
+    """The site draws its diagrams with the committed Mermaid (no CDN): it is byte for byte
+    the pinned npm release (docs/vendor_mermaid.py), with its MIT licence beside it, and
+    mkdocs.yml loads it."""
+    spec = importlib.util.spec_from_file_location("vendor_mermaid", DOCS / "vendor_mermaid.py")
+    assert spec is not None and spec.loader is not None
+    vendor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vendor)
+    assert vendor.check() == []
+    assert "assets/mermaid/mermaid.min.js" in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+
+
 def test_mkdocs_build_strict(tmp_path):
     for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
         if importlib.util.find_spec(mod.split(".")[0]) is None or (
@@ -222,4 +234,5 @@ def test_mkdocs_build_strict(tmp_path):
     # the diagram reaches the page as a Mermaid block (superfences custom fence), not as code
     assert '<pre class="mermaid"><code>' in page or '<div class="mermaid">' in page
     assert "small_batch / small view" in page
+    assert '<script src="../assets/mermaid/mermaid.min.js"' in page  # the local renderer
     assert (site / "api" / "index.html").read_text(encoding="utf-8").count("doc-heading") > 10

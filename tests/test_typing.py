@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 USER_CODE = '''
 import torch
-from xavier_async import ChannelPolicy, Endpoint, EndpointConfig, LocalFabric, RetryPolicy
+from xavier_async import (ChannelPolicy, Endpoint, EndpointConfig, LocalFabric, NixlTransport,
+                          RetryPolicy, Transport)
 
 async def main() -> None:
     caches: dict[int, torch.Tensor] = {0: torch.zeros(4, 8)}
@@ -25,6 +26,7 @@ async def main() -> None:
         b.publish("key", 1)
         result = await a.load({1: {0: {"key": 2}}})
         n: int = result.wire_bytes + ChannelPolicy(16, 4).select(3)
+    nixl: Transport = NixlTransport(host="127.0.0.1", port=0)  # the top-level, lazy import
 '''
 
 
@@ -35,4 +37,26 @@ def test_mypy_accepts_the_package_and_typical_user_code(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mypy", "--ignore-missing-imports",
                            "--cache-dir", str(tmp_path / "cache"), "xavier_async", str(user)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_nixl_transport_is_importable_from_the_package_and_imported_lazily():
+    """`from xavier_async import NixlTransport` is the class in xavier_async.transports.nixl,
+    and a plain `import xavier_async` loads neither that module nor nixl."""
+    code = (
+        "import sys, xavier_async\n"
+        "loaded = sorted(m for m in sys.modules if m == 'nixl' or m.startswith(('nixl.', 'xavier_async.transports.nixl')))\n"
+        "assert not loaded, loaded\n"
+        "from xavier_async import NixlTransport\n"
+        "from xavier_async.transports.nixl import NixlTransport as direct\n"
+        "assert NixlTransport is direct and 'NixlTransport' in xavier_async.__all__\n"
+        "try:\n"
+        "    xavier_async.NoSuchThing\n"
+        "except AttributeError as exc:\n"
+        "    assert 'NoSuchThing' in str(exc)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,5 +1,10 @@
 """xavier_async: move KV-cache blocks between serving replicas over NIXL, through
-persistent pre-registered slabs, with every peer channel driven by a state machine."""
+persistent pre-registered slabs, with every peer channel driven by a state machine.
+
+:class:`NixlTransport` is importable from here but imported lazily, on first use, so that
+``import xavier_async`` does not load NIXL."""
+
+from typing import TYPE_CHECKING, Any
 
 from .channel import PeerChannel
 from .endpoint import Endpoint, EndpointConfig, LoadResult
@@ -9,15 +14,26 @@ from .errors import (EndpointClosedError, HandshakeError, InvalidRequestError,
 from .metrics import EndpointMetrics, PeerMetrics
 from .policy import ChannelPolicy, build_machine
 from .retry import RetryPolicy
+from .sizes import SlabSizes
 from .transports import LocalFabric, LocalTransport, Transport
+
+if TYPE_CHECKING:
+    from .transports.nixl import NixlTransport
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ChannelPolicy", "build_machine", "Endpoint", "EndpointConfig", "LoadResult",
     "PeerChannel", "RetryPolicy", "EndpointMetrics", "PeerMetrics",
-    "Transport", "LocalFabric", "LocalTransport",
+    "Transport", "LocalFabric", "LocalTransport", "NixlTransport", "SlabSizes",
     "XavierError", "InvalidRequestError", "LayoutMismatchError", "UnknownPeerError",
     "EndpointClosedError", "RegistrationError", "TransferError", "PeerLostError",
     "RemoteError", "HandshakeError", "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NixlTransport":  # keep `import xavier_async` free of the NIXL import cost
+        from .transports.nixl import NixlTransport
+        return NixlTransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
