@@ -1,0 +1,196 @@
+"""NixlTransport without NIXL: a fake agent (tests/fake_nixl.py) stands in for NIXL while
+the handshake runs over real loopback TCP. Covers the handle cache (LRU of exact-length
+handles), deferred release of a handle whose copy is still posted, connect races, and the
+handshake's refusals. Real NIXL between processes: tests/test_nixl_process.py."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from xavier_async.errors import HandshakeError, InvalidRequestError
+from xavier_async.slabs import allocate_slabs
+from xavier_async.transports.nixl import NixlTransport, _Mapping, _Pending
+
+from .fake_nixl import FakeAgent, FakeFabric
+
+FULL, SMALL = 64 << 10, 4 << 10
+VERSION = 7
+
+
+class StubHost:
+    """The endpoint side of the transport contract, recording what it is told."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.joined: list[int] = []
+        self.delivered: list[tuple[int, bytes]] = []
+        self.lost: list[int] = []
+
+    def hello(self) -> dict[str, Any]:
+        return {"version": VERSION, "rank": self.rank}
+
+    def check_hello(self, hello: dict[str, Any]) -> None:
+        if hello.get("version") != VERSION:
+            raise HandshakeError(f"protocol version mismatch: peer {hello.get('version')!r}")
+        if hello.get("rank") == self.rank:
+            raise HandshakeError("same rank")
+
+    def peer_joined(self, peer: int, hello: dict[str, Any]) -> None:
+        self.joined.append(peer)
+
+    def deliver(self, peer: int, msg: bytes, inline: bool = False) -> None:
+        self.delivered.append((peer, msg))
+
+    def peer_lost(self, peer: int, exc: BaseException) -> None:
+        self.lost.append(peer)
+
+
+class Node:
+    def __init__(self, t: NixlTransport, host: StubHost, send: Any, recv: Any) -> None:
+        self.t, self.host, self.send, self.recv = t, host, send, recv
+
+    @property
+    def agent(self) -> FakeAgent:
+        assert isinstance(self.t.agent, FakeAgent)
+        return self.t.agent
+
+
+@asynccontextmanager
+async def nodes(n: int, fabric: FakeFabric | None = None, **kw: Any) -> AsyncIterator[list[Node]]:
+    fabric = fabric or FakeFabric()
+    out: list[Node] = []
+    async with anyio.create_task_group() as tg:
+        for rank in range(n):
+            host = StubHost(rank)
+            send, recv = allocate_slabs(FULL, SMALL, torch.device("cpu"))
+            t = NixlTransport(agent_factory=fabric.factory, **kw)
+            await t.start(host, send, recv, tg)
+            out.append(Node(t, host, send, recv))
+        try:
+            yield out
+        finally:
+            for node in out:
+                await node.t.aclose()
+            tg.cancel_scope.cancel()
+    for node in out:
+        assert node.agent.errors == []
+
+
+def fill(node: Node, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    node.send.tensor.copy_(torch.randint(0, 256, (FULL,), generator=g, dtype=torch.uint8))
+    return node.send.tensor.clone()
+
+
+async def test_handshake_copy_and_notification_with_a_fake_agent():
+    async with nodes(2) as (a, b):
+        assert await a.t.connect(b.t.address) == (1, {"version": VERSION, "rank": 1})
+        assert a.host.joined == [1] and b.host.joined == [0]
+        want = fill(a, 1)
+        m = await a.t.map_view(1, a.send.full)
+        assert a.t.post(1, m, FULL, b"landed") is None
+        assert torch.equal(b.recv.tensor, want)
+        with anyio.fail_after(5):
+            while not b.host.delivered:
+                await anyio.sleep(0.001)
+        assert b.host.delivered == [(0, b"landed")]
+        # a token of another kind is refused, not misread
+        with pytest.raises(InvalidRequestError):
+            a.t.post(1, object(), FULL, None)
+
+
+async def test_exact_length_handles_are_an_lru_and_the_view_handle_stays():
+    async with nodes(2, trim_handles=2) as (a, b):
+        await a.t.connect(b.t.address)
+        m = await a.t.map_view(1, a.send.full)
+        assert isinstance(m, _Mapping)
+        view_handle = m.by_len[FULL]
+        for i, n in enumerate([100, 200, 300, 200, 400, 500]):
+            want = fill(a, 10 + i)
+            b.recv.tensor.zero_()
+            assert a.t.post(1, m, n, None) is None
+            assert torch.equal(b.recv.tensor[:n], want[:n]) and not b.recv.tensor[n:].any()
+        # 100 went first (oldest), then 300 (200 was used again, so it is younger)
+        assert [h.local[0][1] for h in a.agent.released] == [100, 300, 200]
+        assert list(m.by_len) == [FULL, 400, 500] and m.by_len[FULL] is view_handle
+        await a.t.forget(1)  # the channel is reset: every handle goes, the view one too
+        assert {h.local[0][1] for h in a.agent.released} == {100, 200, 300, 400, 500, FULL}
+        assert a.agent.live == set()
+
+
+async def test_a_handle_with_a_copy_posted_is_released_only_after_the_copy():
+    fabric = FakeFabric()
+    async with nodes(2, fabric) as (a, b):
+        await a.t.connect(b.t.address)
+        m = await a.t.map_view(1, a.send.full)
+        want = fill(a, 3)
+        fabric.hold_copies = True
+        pending = a.t.post(1, m, FULL, None)
+        assert isinstance(pending, _Pending)
+        handle = pending.handle
+        await a.t.forget(1)  # would release the handle: it is still posted, so later
+        assert handle not in a.agent.released and a.agent.errors == []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.t.wait, pending)
+            await anyio.sleep(0.01)
+            assert handle not in a.agent.released  # still waiting for the copy
+            a.agent.finish()
+        assert handle in a.agent.released and a.agent.errors == []
+        assert torch.equal(b.recv.tensor, want)
+
+
+# -- refusals ----------------------------------------------------------------------------
+async def raw_exchange(address: str, payloads: list[bytes], timeout: float = 5.0) -> bytes:
+    """Send raw bytes to a listener and return everything it sends back until it closes."""
+    host, port = address.rsplit(":", 1)
+    got = bytearray()
+    with anyio.fail_after(timeout):
+        async with await anyio.connect_tcp(host, int(port)) as s:
+            for p in payloads:
+                await s.send(p)
+            try:
+                while True:
+                    got.extend(await s.receive())
+            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                pass
+    return bytes(got)
+
+
+def frame(obj: Any) -> bytes:
+    data = json.dumps(obj).encode()
+    return struct.pack("!I", len(data)) + data
+
+
+def frames(raw: bytes) -> list[dict[str, Any]]:
+    out = []
+    while raw:
+        (n,) = struct.unpack("!I", raw[:4])
+        out.append(json.loads(raw[4:4 + n]))
+        raw = raw[4 + n:]
+    return out
+
+
+@pytest.mark.parametrize("payload, reason", [
+    (struct.pack("!I", 5) + b"nope!", "not JSON"),
+    (frame([1, 2, 3]), "not a JSON object"),
+    (struct.pack("!I", 1 << 30), "too large"),
+    (frame({"hello": {"version": VERSION + 1, "rank": 5}, "agent": "x", "meta": "", "recv_ptr": 0}),
+     "version"),
+    (frame({"hello": {"version": VERSION, "rank": 5}}), "malformed"),
+])
+async def test_bad_handshakes_are_refused_and_nothing_is_added(payload, reason):
+    async with nodes(2) as (a, b):
+        raw = await raw_exchange(b.t.address, [payload])
+        got = frames(raw)
+        assert len(got) == 1 and reason in got[0]["error"], got
+        assert b.t._peers == {} and b.agent.added == [] and b.host.joined == []
+        # the listener still serves real peers
+        assert (await a.t.connect(b.t.address))[0] == 1
