@@ -194,3 +194,73 @@ async def test_bad_handshakes_are_refused_and_nothing_is_added(payload, reason):
         assert b.t._peers == {} and b.agent.added == [] and b.host.joined == []
         # the listener still serves real peers
         assert (await a.t.connect(b.t.address))[0] == 1
+
+
+# -- connect races -----------------------------------------------------------------------
+def one_connection(a: Node, b: Node) -> None:
+    """Both ends hold exactly one peer entry, and it is the same TCP connection."""
+    pa, pb = a.t._peers[b.host.rank], b.t._peers[a.host.rank]
+    sa = pa.fs.stream.extra(anyio.abc.SocketAttribute.local_address)
+    sb = pb.fs.stream.extra(anyio.abc.SocketAttribute.remote_address)
+    assert sa == sb and not pa.lost and not pb.lost
+    assert list(a.t._peers) == [b.host.rank] and list(b.t._peers) == [a.host.rank]
+    assert a.t._claims == {} and b.t._claims == {}
+
+
+async def copy_checked(src: Node, dst: Node, seed: int) -> None:
+    want = fill(src, seed)
+    dst.recv.tensor.zero_()
+    m = await src.t.map_view(dst.host.rank, src.send.full)
+    assert src.t.post(dst.host.rank, m, FULL, None) is None
+    assert torch.equal(dst.recv.tensor, want)
+
+
+async def test_simultaneous_connects_end_with_exactly_one_connection():
+    import random
+    rng = random.Random(5)
+    async with nodes(2) as (a, b):
+        for rep in range(20):
+            got: dict[str, int] = {}
+
+            async def dial(name: str, src: Node, dst: Node, delay: float) -> None:
+                await anyio.sleep(delay)
+                got[name] = (await src.t.connect(dst.t.address))[0]
+
+            joined = (len(a.host.joined), len(b.host.joined))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(dial, "a", a, b, rng.random() * 0.002)
+                tg.start_soon(dial, "b", b, a, rng.random() * 0.002)
+            assert got == {"a": 1, "b": 0}, rep
+            one_connection(a, b)
+            # each end learned of its peer exactly once
+            assert (len(a.host.joined), len(b.host.joined)) == (joined[0] + 1, joined[1] + 1)
+            await copy_checked(a, b, rep)
+            await copy_checked(b, a, 100 + rep)
+            # connect to a connected peer is idempotent, from either end
+            assert (await a.t.connect(b.t.address))[0] == 1
+            assert (await b.t.connect(a.t.address))[0] == 0
+            one_connection(a, b)
+            assert (len(a.host.joined), len(b.host.joined)) == (joined[0] + 1, joined[1] + 1)
+            # hang up and wait until the other end noticed, for the next round
+            lost = len(b.host.lost)
+            await a.t.disconnect(1)
+            with anyio.fail_after(5):
+                while len(b.host.lost) == lost:
+                    await anyio.sleep(0.001)
+            await b.t.disconnect(0)
+
+
+async def test_connect_timeout_per_call():
+    async with nodes(1, handshake_timeout=600) as (a,):
+        # a listener that accepts and never answers
+        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as silent:
+            port = silent.extra(anyio.abc.SocketAttribute.local_port)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(silent.serve, lambda s: anyio.sleep_forever())
+                t0 = anyio.current_time()
+                with pytest.raises(HandshakeError, match="handshake with"):
+                    await a.t.connect(f"127.0.0.1:{port}", timeout=0.2)
+                assert anyio.current_time() - t0 < a.t.handshake_timeout
+                tg.cancel_scope.cancel()
+        with pytest.raises(InvalidRequestError, match="timeout"):
+            await a.t.connect("127.0.0.1:1", timeout=-1)

@@ -37,9 +37,12 @@ class PeerYielded(HandshakeError):
     """This connection gave way to another one with the same peer (a connect race, or
     the peer is already connected): the caller waits for that one instead."""
 
-    def __init__(self, message: str, kind: str) -> None:
+    def __init__(self, message: str, kind: str, rank: int | None = None, agent: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        #: who to wait for: the rank and agent of the side that raised it (sent with the
+        #: refusal, so a connector refused before it saw the peer's hello knows them)
+        self.rank, self.agent = rank, agent
 
 
 #: refusal kinds that mean "use the other connection", not "failed"
@@ -49,7 +52,7 @@ YIELD_KINDS = ("connected", "superseded")
 def refusal(exc: XavierError) -> Frame:
     """The frame that tells the peer why we refuse."""
     if isinstance(exc, PeerYielded):
-        kind = exc.kind
+        return {"error": str(exc), "kind": exc.kind, "rank": exc.rank, "agent": exc.agent}
     else:
         kind = "layout" if isinstance(exc, LayoutMismatchError) else "handshake"
     return {"error": str(exc), "kind": kind}
@@ -59,7 +62,9 @@ def raise_refusal(frame: Frame) -> None:
     """Raise the error a peer's refusal frame stands for."""
     kind, text = frame.get("kind"), str(frame.get("error"))
     if kind in YIELD_KINDS:
-        raise PeerYielded(f"peer: {text}", str(kind))
+        rank, agent = frame.get("rank"), frame.get("agent")
+        raise PeerYielded(f"peer: {text}", str(kind), rank if type(rank) is int else None,
+                          agent if isinstance(agent, str) else None)
     cls = LayoutMismatchError if kind == "layout" else HandshakeError
     raise cls(f"peer refused the handshake: {text}")
 

@@ -35,7 +35,7 @@ from anyio.abc import SocketStream, TaskGroup
 from ..errors import (HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError,
                       XavierError)
 from .base import Transport
-from .handshake import FrameStream, exchange
+from .handshake import FrameStream, PeerYielded, exchange
 
 if TYPE_CHECKING:
     from ..slabs import Slab, SlabView
@@ -98,7 +98,7 @@ def nixl_agent_factory(name: str, backends: list[str]) -> NixlAgent:
 
 
 class _Peer:
-    __slots__ = ("rank", "agent", "recv_ptr", "recv_dev", "mem", "fs", "lost", "handles", "hello")
+    __slots__ = ("rank", "agent", "recv_ptr", "recv_dev", "mem", "fs", "lost", "handles", "hello", "joined")
 
     def __init__(self, rank: int, agent: str, recv_ptr: int, recv_dev: int, mem: str,
                  fs: FrameStream, hello: dict[str, Any]) -> None:
@@ -106,6 +106,7 @@ class _Peer:
         self.fs = fs
         self.hello = hello
         self.lost = False
+        self.joined = False
         #: view bytes -> _Mapping
         self.handles: dict[int, _Mapping] = {}
 
@@ -130,22 +131,77 @@ class _Pending:
 
 
 class _Join:
-    """One handshake's state on our side (the :class:`handshake.Party`)."""
+    """One handshake's state on our side (the :class:`handshake.Party`).
+
+    Connect races: while a handshake with rank ``r`` is under way it holds the claim on
+    ``r``; a second handshake with the same agent meets it. The lower-ranked end decides,
+    without waiting: its own connection wins over one the peer started that it has not
+    committed yet (that one is *superseded*); any other newcomer yields. The higher-ranked
+    end waits for the handshake in progress to end and then looks again. A handshake
+    that yields makes its ``connect`` wait for the surviving connection and return its
+    rank, so both ends end with exactly one connection.
+    """
 
     def __init__(self, t: NixlTransport, fs: FrameStream, initiator: bool) -> None:
         self.t, self.fs, self.initiator = t, fs, initiator
         self.frame: dict[str, Any] = {}
         self.peer: _Peer | None = None
+        self.rank: int | None = None
+        self.agent: str | None = None
+        self.superseded = False
+        self.committed = False
+        self.done = anyio.Event()
+
+    def _yield(self, message: str, kind: str) -> PeerYielded:
+        assert self.t._host is not None
+        return PeerYielded(message, kind, self.t._host.rank, self.t.agent_name)
 
     def hello(self) -> dict[str, Any]:
         return self.t._my_hello()
 
     async def check_hello(self, frame: dict[str, Any]) -> None:
-        self.t._check(frame)
+        t = self.t
+        t._check(frame)
         self.frame = frame
+        rank, agent = frame["hello"]["rank"], frame["agent"]
+        if type(rank) is not int or rank < 0 or not isinstance(agent, str):
+            raise HandshakeError(f"malformed handshake from peer (rank {rank!r}, agent {agent!r})")
+        self.rank, self.agent = rank, agent
+        assert t._host is not None
+        while True:
+            other = t._claims.get(rank)
+            if other is None:
+                p = t._peers.get(rank)
+                if p is not None and not p.lost:
+                    if p.agent == agent:
+                        raise self._yield(f"rank {rank} is already connected", "connected")
+                    raise HandshakeError(f"rank {rank} is connected to another agent ({p.agent}); "
+                                         "it cannot be claimed until that one is gone")
+                break
+            if other.agent != agent:
+                raise HandshakeError(f"rank {rank} is being claimed by another agent ({other.agent})")
+            if t._host.rank < rank:  # we decide, at once
+                if self.initiator and not other.initiator and not other.committed:
+                    other.superseded = True
+                    break
+                raise self._yield(f"a connection with rank {rank} is already being set up",
+                                  "superseded")
+            await other.done.wait()  # the peer decides: see how that handshake ends
+        t._claims[rank] = self
 
     def commit(self) -> None:
+        if self.superseded or self.rank is None or self.t._claims.get(self.rank) is not self:
+            raise self._yield("superseded by the connection rank "
+                              f"{min(self.rank or 0, self.t._host.rank if self.t._host else 0)} started",
+                              "superseded")
         self.peer = self.t._add_peer(self.frame, self.fs)
+        self.committed = True
+
+    def finish(self) -> None:
+        if self.rank is not None and self.t._claims.get(self.rank) is self:
+            del self.t._claims[self.rank]
+        self.done.set()
+        self.t._notify()
 
 
 class NixlTransport(Transport):
@@ -195,6 +251,9 @@ class NixlTransport(Transport):
         self._reg: list[Any] = []
         self._peers: dict[int, _Peer] = {}
         self._by_agent: dict[str, int] = {}
+        #: handshakes under way, by the rank they claim
+        self._claims: dict[int, _Join] = {}
+        self._changed = anyio.Event()
         self._listener: Any = None
         self._bound: tuple[str, int] | None = None
         self._last_activity = 0.0
@@ -317,6 +376,31 @@ class NixlTransport(Transport):
             raise InvalidRequestError(f"timeout must be a number > 0 or None, got {timeout!r}")
         return float(timeout)
 
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _joined(self, join: _Join) -> _Peer:
+        peer = join.peer
+        assert peer is not None and self._host is not None
+        peer.joined = True
+        self._host.peer_joined(peer.rank, peer.hello)
+        return peer
+
+    async def _await_peer(self, rank: int | None, agent: str | None, deadline: float,
+                          address: str) -> _Peer:
+        """After yielding a connect race: wait for the surviving connection."""
+        while True:
+            p = self._peers.get(rank) if rank is not None else None
+            if p is not None and not p.lost and p.joined and (agent is None or p.agent == agent):
+                return p
+            changed = self._changed
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as scope:
+                await changed.wait()
+            if scope.cancelled_caught:
+                raise HandshakeError(f"handshake with {address}: the other connection with rank "
+                                     f"{rank} did not come up in time")
+
     async def connect(self, address: str, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
         limit = self._timeout(timeout)
         host, port = parse_address(address)
@@ -332,21 +416,26 @@ class NixlTransport(Transport):
         join = _Join(self, fs, initiator=True)
         try:
             with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
-                frame = await exchange(fs, initiator=True, party=join)
+                await exchange(fs, initiator=True, party=join)
         except BaseException as exc:
             if join.peer is not None:  # added but never joined: forget it again
                 self._drop(join.peer.rank)
+            join.finish()
             await fs.aclose()
+            if isinstance(exc, PeerYielded):  # a connect race, or already connected
+                rank = join.rank if join.rank is not None else exc.rank
+                agent = join.agent if join.agent is not None else exc.agent
+                p = await self._await_peer(rank, agent, deadline, address)
+                return p.rank, p.hello
             if not isinstance(exc, XavierError) and isinstance(
                     exc, (TimeoutError, OSError, anyio.EndOfStream, anyio.IncompleteRead,
                           anyio.BrokenResourceError, ValueError, TypeError)):
                 raise HandshakeError(f"handshake with {address} failed: {exc!r}") from exc
             raise
-        peer = join.peer
-        assert peer is not None
-        self._host.peer_joined(peer.rank, frame["hello"])
+        peer = self._joined(join)
+        join.finish()
         self._tg.start_soon(self._watch, peer)
-        return peer.rank, frame["hello"]
+        return peer.rank, peer.hello
 
     async def _accept_loop(self, listener: Any) -> None:
         assert self._tg is not None
@@ -363,16 +452,19 @@ class NixlTransport(Transport):
         join = _Join(self, fs, initiator=False)
         try:
             with anyio.fail_after(self.handshake_timeout):
-                frame = await exchange(fs, initiator=False, party=join)
+                await exchange(fs, initiator=False, party=join)
         except Exception as exc:
-            log.info("handshake from a peer failed: %r", exc)
+            if isinstance(exc, PeerYielded):
+                log.debug("handshake from a peer gave way to another connection: %s", exc)
+            else:
+                log.info("handshake from a peer failed: %r", exc)
             if join.peer is not None:
                 self._drop(join.peer.rank)
+            join.finish()
             await fs.aclose()
             return
-        peer = join.peer
-        assert self._host is not None and peer is not None
-        self._host.peer_joined(peer.rank, frame["hello"])
+        peer = self._joined(join)
+        join.finish()
         await self._watch(peer)
 
     async def _watch(self, peer: _Peer) -> None:
@@ -421,6 +513,7 @@ class NixlTransport(Transport):
         peer.lost = True
         self._release(peer)
         self._by_agent.pop(peer.agent, None)
+        self._notify()
         try:
             self._agent.remove_remote_agent(peer.agent)
         except Exception:
