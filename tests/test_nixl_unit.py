@@ -178,22 +178,104 @@ def frames(raw: bytes) -> list[dict[str, Any]]:
     return out
 
 
+GREET = {"xa": "xavier-async-handshake/2", "nonce": "ab" * 32, "auth": False}
+
+
 @pytest.mark.parametrize("payload, reason", [
     (struct.pack("!I", 5) + b"nope!", "not JSON"),
     (frame([1, 2, 3]), "not a JSON object"),
     (struct.pack("!I", 1 << 30), "too large"),
-    (frame({"hello": {"version": VERSION + 1, "rank": 5}, "agent": "x", "meta": "", "recv_ptr": 0}),
-     "version"),
-    (frame({"hello": {"version": VERSION, "rank": 5}}), "malformed"),
+    (frame({"pad": "x" * 2000}), "too large"),  # small limit before authentication
+    (frame({**GREET, "xa": "xavier-async-handshake/1"}), "version mismatch"),
+    (frame({**GREET, "nonce": 5}), "nonce"),
+    (frame(GREET) + frame({"hello": {"version": VERSION + 1, "rank": 5}, "agent": "x", "meta": "",
+                           "recv_ptr": 0}), "protocol version"),
+    (frame(GREET) + frame({"hello": {"version": VERSION, "rank": 5}}), "malformed"),
 ])
 async def test_bad_handshakes_are_refused_and_nothing_is_added(payload, reason):
     async with nodes(2) as (a, b):
         raw = await raw_exchange(b.t.address, [payload])
         got = frames(raw)
-        assert len(got) == 1 and reason in got[0]["error"], got
+        assert reason in got[-1]["error"], got
+        assert all("meta" not in f and "hello" not in f for f in got)
         assert b.t._peers == {} and b.agent.added == [] and b.host.joined == []
         # the listener still serves real peers
         assert (await a.t.connect(b.t.address))[0] == 1
+
+
+async def test_a_silent_connection_is_dropped_after_the_first_frame_deadline():
+    async with nodes(1, first_frame_timeout=0.1, handshake_timeout=600) as (b,):
+        got = frames(await raw_exchange(b.t.address, [], timeout=60))
+        assert len(got) == 1 and "no handshake frame within" in got[0]["error"]
+        assert b.t._unauthenticated == 0
+
+
+SECRET = "s3cret-" + "x" * 16
+
+
+async def test_secret_both_ways_and_refusals_add_nothing():
+    fabric = FakeFabric()
+    async with nodes(1, fabric, secret=SECRET) as (a,), nodes(1, fabric, secret=SECRET) as (b,):
+        b.host.rank = 1
+        assert (await a.t.connect(b.t.address))[0] == 1
+        await copy_checked(a, b, 1)
+    for mine, theirs, match in [(SECRET, "other-" + "y" * 16, "does not hold the same secret"),
+                                (None, SECRET, "has no secret"), (SECRET, None, "has none")]:
+        fabric = FakeFabric()
+        async with nodes(1, fabric, secret=mine) as (a,), nodes(1, fabric, secret=theirs) as (b,):
+            b.host.rank = 1
+            with pytest.raises(HandshakeError, match=match):
+                await a.t.connect(b.t.address)
+            assert a.t._peers == b.t._peers == {} and a.agent.added == b.agent.added == []
+
+
+def test_listening_beyond_loopback_needs_a_secret_or_insecure(monkeypatch):
+    monkeypatch.delenv("XAVIER_ASYNC_SECRET", raising=False)
+    monkeypatch.delenv("XAVIER_ASYNC_INSECURE", raising=False)
+    for host in ("0.0.0.0", "::", "10.1.2.3"):
+        with pytest.raises(InvalidRequestError, match="without a secret"):
+            NixlTransport(host)
+        NixlTransport(host, insecure=True)
+        NixlTransport(host, secret=SECRET)
+    for host in ("127.0.0.1", "localhost", "::1"):
+        NixlTransport(host)
+    monkeypatch.setenv("XAVIER_ASYNC_INSECURE", "1")
+    NixlTransport("0.0.0.0")
+    monkeypatch.setenv("XAVIER_ASYNC_INSECURE", "0")
+    monkeypatch.setenv("XAVIER_ASYNC_SECRET", SECRET)
+    assert NixlTransport("0.0.0.0")._secret == SECRET.encode()
+    with pytest.raises(InvalidRequestError, match="at least 16"):
+        NixlTransport(secret="short")
+
+
+async def test_a_rank_lost_without_a_clean_close_is_reserved_for_its_agent():
+    fabric = FakeFabric()
+    async with nodes(2, fabric, rank_grace=600) as (a, b):
+        await a.t.connect(b.t.address)
+        old_agent = b.t.agent_name
+        # rank 1's connection times out (a partition): not a confirmed death
+        a.t._peer_gone(a.t._peers[1], confirmed=False)
+        await a.t.disconnect(1)
+        await b.t.disconnect(0)
+        async with nodes(1, fabric) as (imposter,):
+            imposter.host.rank = 1
+            with pytest.raises(HandshakeError, match="without a clean close"):
+                await imposter.t.connect(a.t.address)
+            assert list(a.t._peers) == [] and imposter.t.agent_name not in a.agent.added
+        # the old agent itself may come back
+        assert (await b.t.connect(a.t.address))[0] == 0
+        assert a.t._peers[1].agent == old_agent and 1 not in a.t._gone
+
+
+async def test_a_connected_rank_cannot_be_claimed_by_another_agent():
+    fabric = FakeFabric()
+    async with nodes(2, fabric) as (a, b), nodes(1, fabric) as (imposter,):
+        imposter.host.rank = 1
+        await b.t.connect(a.t.address)
+        with pytest.raises(HandshakeError, match="connected to another agent"):
+            await imposter.t.connect(a.t.address)
+        assert a.t._peers[1].agent == b.t.agent_name
+        await copy_checked(a, b, 9)
 
 
 # -- connect races -----------------------------------------------------------------------

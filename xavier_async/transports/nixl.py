@@ -43,6 +43,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("xavier_async.nixl")
 
+#: environment variables: the shared secret, and "1" to listen beyond loopback without one
+SECRET_ENV = "XAVIER_ASYNC_SECRET"
+INSECURE_ENV = "XAVIER_ASYNC_INSECURE"
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (a listen address) is reachable from this machine only."""
+    import ipaddress
+    import socket
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
 def _keepalive(stream: SocketStream, idle: int = 5, interval: int = 2, count: int = 3) -> None:
     """TCP keepalive on a peer's stream: a host that vanishes without closing its socket
     (power loss, partition) is noticed in about idle + interval * count seconds."""
@@ -55,6 +76,14 @@ def _keepalive(stream: SocketStream, idle: int = 5, interval: int = 2, count: in
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
     except (OSError, anyio.TypedAttributeLookupError):
         log.debug("could not enable TCP keepalive", exc_info=True)
+
+
+def _remote(stream: SocketStream) -> str:
+    try:
+        addr = stream.extra(anyio.abc.SocketAttribute.remote_address)
+        return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+    except (anyio.TypedAttributeLookupError, ValueError, TypeError):
+        return "?"
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -177,6 +206,7 @@ class _Join:
                         raise self._yield(f"rank {rank} is already connected", "connected")
                     raise HandshakeError(f"rank {rank} is connected to another agent ({p.agent}); "
                                          "it cannot be claimed until that one is gone")
+                t._check_owner(rank, agent)
                 break
             if other.agent != agent:
                 raise HandshakeError(f"rank {rank} is being claimed by another agent ({other.agent})")
@@ -223,8 +253,41 @@ class NixlTransport(Transport):
                  backends: tuple[str, ...] = ("UCX",), idle_poll: float = 0.0005,
                  hot_window: float = 0.05, write_timeout: float = 30.0,
                  handshake_timeout: float = 10.0, trim_handles: int = 64,
-                 spin: float = 0.0001, agent_factory: AgentFactory | None = None) -> None:
+                 spin: float = 0.0001, agent_factory: AgentFactory | None = None,
+                 secret: str | bytes | None = None, insecure: bool | None = None,
+                 first_frame_timeout: float = 2.0, max_unauthenticated: int = 64,
+                 rank_grace: float = 30.0) -> None:
         super().__init__()
+        if secret is None:
+            secret = os.environ.get(SECRET_ENV) or None
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
+            raise InvalidRequestError(f"secret must be str or bytes of at least 16 bytes "
+                                      f"(got {type(secret).__name__} of {len(secret) if isinstance(secret, bytes) else '?'}); "
+                                      "for example: python -c 'import secrets; print(secrets.token_hex(32))'")
+        if insecure is None:
+            insecure = os.environ.get(INSECURE_ENV, "") not in ("", "0")
+        if secret is None and not insecure and not _is_loopback(host):
+            raise InvalidRequestError(
+                f"refusing to listen on {host!r} without a secret: anyone who can reach that port "
+                f"could read every published block and write into this endpoint's receive slab. "
+                f"Pass secret= (or set {SECRET_ENV}) on every endpoint, or insecure=True (or "
+                f"{INSECURE_ENV}=1) if the network is trusted")
+        self._secret: bytes | None = secret
+        self.insecure = bool(insecure)
+        for n, v in (("first_frame_timeout", first_frame_timeout), ("rank_grace", rank_grace)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise InvalidRequestError(f"{n} must be a number >= 0, got {v!r}")
+        if type(max_unauthenticated) is not int or max_unauthenticated < 1:
+            raise InvalidRequestError(f"max_unauthenticated must be an int >= 1, got {max_unauthenticated!r}")
+        self.first_frame_timeout, self.rank_grace = first_frame_timeout, rank_grace
+        self.max_unauthenticated = max_unauthenticated
+        self._unauthenticated = 0
+        #: connections closed at once because max_unauthenticated were already pending
+        self.refused_connections = 0
+        #: ranks lost without a clean close: rank -> (agent, reserved until)
+        self._gone: dict[int, tuple[str, float]] = {}
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
             raise InvalidRequestError(f"port must be 0..65535, got {port!r}")
         for n, v in (("idle_poll", idle_poll), ("hot_window", hot_window),
@@ -416,7 +479,7 @@ class NixlTransport(Transport):
         join = _Join(self, fs, initiator=True)
         try:
             with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
-                await exchange(fs, initiator=True, party=join)
+                await exchange(fs, initiator=True, party=join, secret=self._secret)
         except BaseException as exc:
             if join.peer is not None:  # added but never joined: forget it again
                 self._drop(join.peer.rank)
@@ -444,25 +507,37 @@ class NixlTransport(Transport):
                 stream = await listener.accept()
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return
+            if self._unauthenticated >= self.max_unauthenticated:  # a flood: hang up at once
+                self.refused_connections += 1
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+                continue
+            self._unauthenticated += 1
             self._tg.start_soon(self._accept, stream)
 
     async def _accept(self, stream: SocketStream) -> None:
-        _keepalive(stream)
         fs = FrameStream(stream)
         join = _Join(self, fs, initiator=False)
         try:
-            with anyio.fail_after(self.handshake_timeout):
-                await exchange(fs, initiator=False, party=join)
+            try:
+                with anyio.fail_after(self.handshake_timeout):
+                    await exchange(fs, initiator=False, party=join, secret=self._secret,
+                                   first_timeout=self.first_frame_timeout)
+            finally:
+                self._unauthenticated -= 1
         except Exception as exc:
             if isinstance(exc, PeerYielded):
                 log.debug("handshake from a peer gave way to another connection: %s", exc)
+            elif "authentication failed" in str(exc):
+                log.warning("refused a peer from %s: %s", _remote(stream), exc)
             else:
-                log.info("handshake from a peer failed: %r", exc)
+                log.info("handshake from %s failed: %r", _remote(stream), exc)
             if join.peer is not None:
                 self._drop(join.peer.rank)
             join.finish()
             await fs.aclose()
             return
+        _keepalive(stream)
         peer = self._joined(join)
         join.finish()
         await self._watch(peer)
@@ -470,17 +545,44 @@ class NixlTransport(Transport):
     async def _watch(self, peer: _Peer) -> None:
         """Hold the peer's TCP stream; its end means the peer is gone."""
         reason = "closed the connection"
+        confirmed = False  # its side closed the connection: the process closed or died
         try:
             while True:
                 await peer.fs.reader.receive()
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             reason = f"connection ended ({type(exc).__name__})"
+            confirmed = isinstance(exc, anyio.EndOfStream) or isinstance(
+                exc.__cause__ or exc, ConnectionResetError)
         finally:
             current = self._peers.get(peer.rank)
             if current is peer and not peer.lost and not self._closed:
-                peer.lost = True
+                self._peer_gone(peer, confirmed)
                 assert self._host is not None
                 self._host.peer_lost(peer.rank, PeerLostError(f"rank {peer.rank} {reason}"))
+
+    def _peer_gone(self, peer: _Peer, confirmed: bool) -> None:
+        """Mark ``peer`` lost. Unless its side closed the connection (``confirmed``), its
+        rank stays reserved for its agent for ``rank_grace`` seconds: the old process may
+        still be alive behind a partition and still hold our receive slab's address."""
+        peer.lost = True
+        if confirmed:
+            self._gone.pop(peer.rank, None)
+        else:
+            self._gone[peer.rank] = (peer.agent, anyio.current_time() + self.rank_grace)
+
+    def _check_owner(self, rank: int, agent: str) -> None:
+        gone = self._gone.get(rank)
+        if gone is None:
+            return
+        old, until = gone
+        left = until - anyio.current_time()
+        if old == agent or left <= 0:
+            del self._gone[rank]
+            return
+        raise HandshakeError(
+            f"rank {rank} was lost {self.rank_grace - left:.1f} s ago without a clean close and "
+            f"may still be alive; another agent can claim it in {left:.1f} s, or at once after "
+            f"the old one ({old}) reconnects and closes")
 
     # -- peers --------------------------------------------------------------------------
     def _peer(self, rank: int) -> _Peer:
