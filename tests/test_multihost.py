@@ -58,7 +58,9 @@ def hosts():
 
 def _host(h: dict, rank: int) -> PeerSpec:
     return PeerSpec(rank=rank, layout=SPEC, seed=3, config=CFG,
-                    transport={"host": h["addr"], "handshake_timeout": 5},
+                    transport={"host": h["addr"], "handshake_timeout": 5,
+                               # not loopback: a shared secret is required (tests/test_nixl_auth.py)
+                               "secret": "multihost-test-secret"},
                     wrapper=["ip", "netns", "exec", h["ns"]],
                     env={"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": h["dev"]}, torch_threads=1)
 

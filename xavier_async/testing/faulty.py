@@ -125,8 +125,8 @@ class FaultyTransport(Transport):
     def address(self) -> str:
         return self.inner.address
 
-    async def connect(self, address: str) -> tuple[int, dict[str, Any]]:
-        rank, hello = await self.inner.connect(address)
+    async def connect(self, address: str, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+        rank, hello = await self.inner.connect(address, timeout)
         self._lost.discard(rank)
         self._writes.pop(rank, None)
         return rank, hello

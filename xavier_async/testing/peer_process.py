@@ -162,6 +162,8 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                     elif cmd == "recv_digest":
                         assert ep.recv_slab is not None
                         res = digest(ep.recv_slab.tensor[:arg])
+                    elif cmd == "peers":
+                        res = list(ep.peers)
                     elif cmd == "metrics":
                         res = ep.snapshot_metrics()
                     else:

@@ -67,8 +67,12 @@ class Transport(abc.ABC):
         """Where peers reach this endpoint (give it to :meth:`Endpoint.connect`)."""
 
     @abc.abstractmethod
-    async def connect(self, address: str) -> tuple[int, dict[str, Any]]:
-        """Handshake with the endpoint at ``address``; return (peer rank, peer hello)."""
+    async def connect(self, address: str, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+        """Handshake with the endpoint at ``address``; return (peer rank, peer hello).
+
+        Idempotent: a peer that is already connected (or that connects to us at the same
+        time: exactly one connection survives) returns its rank. ``timeout``: seconds for
+        the whole handshake (``None``: the transport's default)."""
 
     @abc.abstractmethod
     async def map_view(self, peer: int, view: SlabView) -> object:

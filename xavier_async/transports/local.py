@@ -82,11 +82,16 @@ class LocalTransport(Transport):
             raise PeerLostError(f"rank {peer} has closed")
         return t
 
-    async def connect(self, address: str) -> tuple[int, dict[str, Any]]:
+    async def connect(self, address: str, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or not timeout > 0):
+            raise InvalidRequestError(f"timeout must be a number > 0 or None, got {timeout!r}")
         await anyio.lowlevel.checkpoint()
         other = self.fabric.lookup(address)
         assert self.host is not None and other.host is not None
         mine, theirs = self.host.hello(), other.host.hello()
+        if self._peers.get(theirs["rank"]) is other and other._peers.get(mine["rank"]) is self:
+            return theirs["rank"], theirs  # already connected (either end dialled): idempotent
         self.host.check_hello(theirs)
         other.host.check_hello(mine)
         self._peers[theirs["rank"]] = other

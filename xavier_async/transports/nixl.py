@@ -21,21 +21,21 @@ per process per GPU.
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import os
-import struct
 import time
 import uuid
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from anyio.abc import SocketStream, TaskGroup
 
-from ..errors import (HandshakeError, InvalidRequestError, LayoutMismatchError, PeerLostError, TransferError,
-                      UnknownPeerError, XavierError)
+from ..errors import (HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError,
+                      XavierError)
 from .base import Transport
+from .handshake import FrameStream, PeerYielded, exchange
 
 if TYPE_CHECKING:
     from ..slabs import Slab, SlabView
@@ -43,32 +43,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("xavier_async.nixl")
 
-_FRAME = struct.Struct("!I")
-_MAX_FRAME = 16 << 20
+#: environment variables: the shared secret, and "1" to listen beyond loopback without one
+SECRET_ENV = "XAVIER_ASYNC_SECRET"
+INSECURE_ENV = "XAVIER_ASYNC_INSECURE"
 
 
-async def _send_frame(stream: SocketStream, obj: dict[str, Any]) -> None:
-    data = json.dumps(obj).encode()
-    await stream.send(_FRAME.pack(len(data)) + data)
-
-
-async def _recv_exact(stream: SocketStream, n: int, buf: bytearray) -> bytes:
-    while len(buf) < n:
-        buf.extend(await stream.receive())
-    out = bytes(buf[:n])
-    del buf[:n]
-    return out
-
-
-async def _recv_frame(stream: SocketStream, buf: bytearray) -> dict[str, Any]:
-    (n,) = _FRAME.unpack(await _recv_exact(stream, _FRAME.size, buf))
-    if n > _MAX_FRAME:
-        raise HandshakeError(f"handshake frame too large ({n} B): not an xavier_async peer?")
-    obj = json.loads(await _recv_exact(stream, n, buf))
-    if not isinstance(obj, dict):
-        raise HandshakeError("malformed handshake frame")
-    return obj
-
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (a listen address) is reachable from this machine only."""
+    import ipaddress
+    import socket
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 def _keepalive(stream: SocketStream, idle: int = 5, interval: int = 2, count: int = 3) -> None:
     """TCP keepalive on a peer's stream: a host that vanishes without closing its socket
@@ -84,14 +78,12 @@ def _keepalive(stream: SocketStream, idle: int = 5, interval: int = 2, count: in
         log.debug("could not enable TCP keepalive", exc_info=True)
 
 
-def _refusal(exc: XavierError) -> dict[str, Any]:
-    kind = "layout" if isinstance(exc, LayoutMismatchError) else "handshake"
-    return {"error": str(exc), "kind": kind}
-
-
-def _raise_refusal(frame: dict[str, Any]) -> None:
-    cls = LayoutMismatchError if frame.get("kind") == "layout" else HandshakeError
-    raise cls(f"peer refused the handshake: {frame['error']}")
+def _remote(stream: SocketStream) -> str:
+    try:
+        addr = stream.extra(anyio.abc.SocketAttribute.remote_address)
+        return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+    except (anyio.TypedAttributeLookupError, ValueError, TypeError):
+        return "?"
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -103,14 +95,47 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class NixlAgent(Protocol):
+    """The part of ``nixl._api.nixl_agent`` this transport uses (a fake one stands in for
+    it in unit tests: ``NixlTransport(agent_factory=...)``)."""
+
+    def get_reg_descs(self, descs: list[tuple[int, int, int, str]], mem_type: str) -> Any: ...
+    def register_memory(self, descs: Any) -> Any: ...
+    def deregister_memory(self, reg: Any) -> None: ...
+    def get_agent_metadata(self) -> bytes: ...
+    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
+    def remove_remote_agent(self, agent: str) -> None: ...
+    def get_xfer_descs(self, descs: list[tuple[int, int, int]], mem_type: str) -> Any: ...
+    def initialize_xfer(self, op: str, local: Any, remote: Any, agent: str) -> Any: ...
+    def transfer(self, handle: Any, notif: bytes = b"") -> str: ...
+    def check_xfer_state(self, handle: Any) -> str: ...
+    def release_xfer_handle(self, handle: Any) -> None: ...
+    def send_notif(self, agent: str, msg: bytes) -> None: ...
+    def get_new_notifs(self) -> dict[Any, list[bytes]]: ...
+
+
+#: builds the agent: (agent name, backends) -> agent
+AgentFactory = Callable[[str, "list[str]"], NixlAgent]
+
+
+def nixl_agent_factory(name: str, backends: list[str]) -> NixlAgent:
+    """The real NIXL agent, progress thread off (we poll)."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent: NixlAgent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=backends))
+    return agent
+
+
 class _Peer:
-    __slots__ = ("rank", "agent", "recv_ptr", "recv_dev", "mem", "stream", "lost", "handles")
+    __slots__ = ("rank", "agent", "recv_ptr", "recv_dev", "mem", "fs", "lost", "handles", "hello", "joined")
 
     def __init__(self, rank: int, agent: str, recv_ptr: int, recv_dev: int, mem: str,
-                 stream: SocketStream) -> None:
+                 fs: FrameStream, hello: dict[str, Any]) -> None:
         self.rank, self.agent, self.recv_ptr, self.recv_dev, self.mem = rank, agent, recv_ptr, recv_dev, mem
-        self.stream = stream
+        self.fs = fs
+        self.hello = hello
         self.lost = False
+        self.joined = False
         #: view bytes -> _Mapping
         self.handles: dict[int, _Mapping] = {}
 
@@ -134,6 +159,81 @@ class _Pending:
         self.peer, self.handle, self.nbytes, self.deadline = peer, handle, nbytes, deadline
 
 
+class _Join:
+    """One handshake's state on our side (the :class:`handshake.Party`).
+
+    Connect races: while a handshake with rank ``r`` is under way it holds the claim on
+    ``r``; a second handshake with the same agent meets it. The lower-ranked end decides,
+    without waiting: its own connection wins over one the peer started that it has not
+    committed yet (that one is *superseded*); any other newcomer yields. The higher-ranked
+    end waits for the handshake in progress to end and then looks again. A handshake
+    that yields makes its ``connect`` wait for the surviving connection and return its
+    rank, so both ends end with exactly one connection.
+    """
+
+    def __init__(self, t: NixlTransport, fs: FrameStream, initiator: bool) -> None:
+        self.t, self.fs, self.initiator = t, fs, initiator
+        self.frame: dict[str, Any] = {}
+        self.peer: _Peer | None = None
+        self.rank: int | None = None
+        self.agent: str | None = None
+        self.superseded = False
+        self.committed = False
+        self.done = anyio.Event()
+
+    def _yield(self, message: str, kind: str) -> PeerYielded:
+        assert self.t._host is not None
+        return PeerYielded(message, kind, self.t._host.rank, self.t.agent_name)
+
+    def hello(self) -> dict[str, Any]:
+        return self.t._my_hello()
+
+    async def check_hello(self, frame: dict[str, Any]) -> None:
+        t = self.t
+        t._check(frame)
+        self.frame = frame
+        rank, agent = frame["hello"]["rank"], frame["agent"]
+        if type(rank) is not int or rank < 0 or not isinstance(agent, str):
+            raise HandshakeError(f"malformed handshake from peer (rank {rank!r}, agent {agent!r})")
+        self.rank, self.agent = rank, agent
+        assert t._host is not None
+        while True:
+            other = t._claims.get(rank)
+            if other is None:
+                p = t._peers.get(rank)
+                if p is not None and not p.lost:
+                    if p.agent == agent:
+                        raise self._yield(f"rank {rank} is already connected", "connected")
+                    raise HandshakeError(f"rank {rank} is connected to another agent ({p.agent}); "
+                                         "it cannot be claimed until that one is gone")
+                t._check_owner(rank, agent)
+                break
+            if other.agent != agent:
+                raise HandshakeError(f"rank {rank} is being claimed by another agent ({other.agent})")
+            if t._host.rank < rank:  # we decide, at once
+                if self.initiator and not other.initiator and not other.committed:
+                    other.superseded = True
+                    break
+                raise self._yield(f"a connection with rank {rank} is already being set up",
+                                  "superseded")
+            await other.done.wait()  # the peer decides: see how that handshake ends
+        t._claims[rank] = self
+
+    def commit(self) -> None:
+        if self.superseded or self.rank is None or self.t._claims.get(self.rank) is not self:
+            raise self._yield("superseded by the connection rank "
+                              f"{min(self.rank or 0, self.t._host.rank if self.t._host else 0)} started",
+                              "superseded")
+        self.peer = self.t._add_peer(self.frame, self.fs)
+        self.committed = True
+
+    def finish(self) -> None:
+        if self.rank is not None and self.t._claims.get(self.rank) is self:
+            del self.t._claims[self.rank]
+        self.done.set()
+        self.t._notify()
+
+
 class NixlTransport(Transport):
     """Real transfers over NIXL (UCX underneath: shared memory / CUDA IPC / NVLink in a
     host, TCP or RDMA across hosts).
@@ -144,6 +244,7 @@ class NixlTransport(Transport):
     sleep between notification polls when nothing has happened for ``hot_window`` seconds.
     ``trim_handles``: how many exact-length handles to keep per view for trimmed copies.
     ``spin``: seconds :meth:`post` busy-polls a copy before handing it to the event loop.
+    ``agent_factory``: builds the NIXL agent (tests pass a fake one).
     """
 
     name = "nixl"
@@ -152,8 +253,41 @@ class NixlTransport(Transport):
                  backends: tuple[str, ...] = ("UCX",), idle_poll: float = 0.0005,
                  hot_window: float = 0.05, write_timeout: float = 30.0,
                  handshake_timeout: float = 10.0, trim_handles: int = 64,
-                 spin: float = 0.0001) -> None:
+                 spin: float = 0.0001, agent_factory: AgentFactory | None = None,
+                 secret: str | bytes | None = None, insecure: bool | None = None,
+                 first_frame_timeout: float = 2.0, max_unauthenticated: int = 64,
+                 rank_grace: float = 30.0) -> None:
         super().__init__()
+        if secret is None:
+            secret = os.environ.get(SECRET_ENV) or None
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
+            raise InvalidRequestError(f"secret must be str or bytes of at least 16 bytes "
+                                      f"(got {type(secret).__name__} of {len(secret) if isinstance(secret, bytes) else '?'}); "
+                                      "for example: python -c 'import secrets; print(secrets.token_hex(32))'")
+        if insecure is None:
+            insecure = os.environ.get(INSECURE_ENV, "") not in ("", "0")
+        if secret is None and not insecure and not _is_loopback(host):
+            raise InvalidRequestError(
+                f"refusing to listen on {host!r} without a secret: anyone who can reach that port "
+                f"could read every published block and write into this endpoint's receive slab. "
+                f"Pass secret= (or set {SECRET_ENV}) on every endpoint, or insecure=True (or "
+                f"{INSECURE_ENV}=1) if the network is trusted")
+        self._secret: bytes | None = secret
+        self.insecure = bool(insecure)
+        for n, v in (("first_frame_timeout", first_frame_timeout), ("rank_grace", rank_grace)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise InvalidRequestError(f"{n} must be a number >= 0, got {v!r}")
+        if type(max_unauthenticated) is not int or max_unauthenticated < 1:
+            raise InvalidRequestError(f"max_unauthenticated must be an int >= 1, got {max_unauthenticated!r}")
+        self.first_frame_timeout, self.rank_grace = first_frame_timeout, rank_grace
+        self.max_unauthenticated = max_unauthenticated
+        self._unauthenticated = 0
+        #: connections closed at once because max_unauthenticated were already pending
+        self.refused_connections = 0
+        #: ranks lost without a clean close: rank -> (agent, reserved until)
+        self._gone: dict[int, tuple[str, float]] = {}
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
             raise InvalidRequestError(f"port must be 0..65535, got {port!r}")
         for n, v in (("idle_poll", idle_poll), ("hot_window", hot_window),
@@ -168,7 +302,8 @@ class NixlTransport(Transport):
         self.write_timeout, self.handshake_timeout = write_timeout, handshake_timeout
         self.trim_handles = max(1, int(trim_handles))
         self.spin = spin
-        self.agent: Any = None
+        self.agent: NixlAgent | None = None
+        self._agent_factory: AgentFactory = agent_factory or nixl_agent_factory
         self.agent_name = ""
         self._host: TransportHost | None = None
         self._tg: TaskGroup | None = None
@@ -179,6 +314,9 @@ class NixlTransport(Transport):
         self._reg: list[Any] = []
         self._peers: dict[int, _Peer] = {}
         self._by_agent: dict[str, int] = {}
+        #: handshakes under way, by the rank they claim
+        self._claims: dict[int, _Join] = {}
+        self._changed = anyio.Event()
         self._listener: Any = None
         self._bound: tuple[str, int] | None = None
         self._last_activity = 0.0
@@ -190,8 +328,6 @@ class NixlTransport(Transport):
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self._host, self._tg = host, tg
         self._send_slab, self._recv_slab = send, recv
         dev = send.device
@@ -202,12 +338,11 @@ class NixlTransport(Transport):
         else:
             raise InvalidRequestError(f"NIXL transport supports cpu and cuda caches, not {dev}")
         self.agent_name = f"xa-{host.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        cfg = nixl_agent_config(enable_prog_thread=False, backends=self._backends)
-        self.agent = nixl_agent(self.agent_name, cfg)
+        self.agent = self._agent_factory(self.agent_name, list(self._backends))
         for slab in (send, recv):
-            descs = self.agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self._dev, "")],
+            descs = self._agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self._dev, "")],
                                              self._mem)
-            self._reg.append(self.agent.register_memory(descs))
+            self._reg.append(self._agent.register_memory(descs))
             self.memory_registrations += 1
         self._listener = await anyio.create_tcp_listener(local_host=self._listen_host,
                                                          local_port=self._port)
@@ -246,23 +381,27 @@ class NixlTransport(Transport):
             if self.agent is not None:
                 for reg in self._reg:
                     try:
-                        self.agent.deregister_memory(reg)
+                        self._agent.deregister_memory(reg)
                     except Exception:
                         log.warning("deregister_memory failed", exc_info=True)
                 self._reg.clear()
+
+    @property
+    def _agent(self) -> NixlAgent:
+        if self.agent is None:
+            raise RuntimeError("transport not started")
+        return self.agent
 
     # -- handshake ----------------------------------------------------------------------
     def _my_hello(self) -> dict[str, Any]:
         assert self._host is not None and self._recv_slab is not None
         return {"hello": self._host.hello(), "agent": self.agent_name,
-                "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                "meta": base64.b64encode(self._agent.get_agent_metadata()).decode(),
                 "recv_ptr": self._recv_slab.tensor.data_ptr(), "recv_dev": self._dev,
                 "mem": self._mem}
 
     def _check(self, frame: dict[str, Any]) -> None:
         assert self._host is not None
-        if "error" in frame:
-            _raise_refusal(frame)
         try:
             hello = frame["hello"]
             frame["agent"], frame["meta"], frame["recv_ptr"]
@@ -270,7 +409,7 @@ class NixlTransport(Transport):
             raise HandshakeError("malformed handshake from peer") from None
         self._host.check_hello(hello)
 
-    def _add_peer(self, frame: dict[str, Any], stream: SocketStream) -> _Peer:
+    def _add_peer(self, frame: dict[str, Any], fs: FrameStream) -> _Peer:
         try:  # parse everything before touching the agent
             rank = frame["hello"]["rank"]
             meta = base64.b64decode(frame["meta"], validate=True)
@@ -285,53 +424,81 @@ class NixlTransport(Transport):
             raise HandshakeError(f"rank {rank} is already connected")
         if old is not None:
             self._drop(rank)
-        name = self.agent.add_remote_agent(meta)
+        name = self._agent.add_remote_agent(meta)
         if isinstance(name, bytes):
             name = name.decode()
-        peer = _Peer(rank, name, recv_ptr, recv_dev, mem, stream)
+        peer = _Peer(rank, name, recv_ptr, recv_dev, mem, fs, frame["hello"])
         self._peers[rank] = peer
         self._by_agent[peer.agent] = rank
         return peer
 
-    async def connect(self, address: str) -> tuple[int, dict[str, Any]]:
+    def _timeout(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self.handshake_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise InvalidRequestError(f"timeout must be a number > 0 or None, got {timeout!r}")
+        return float(timeout)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _joined(self, join: _Join) -> _Peer:
+        peer = join.peer
+        assert peer is not None and self._host is not None
+        peer.joined = True
+        self._host.peer_joined(peer.rank, peer.hello)
+        return peer
+
+    async def _await_peer(self, rank: int | None, agent: str | None, deadline: float,
+                          address: str) -> _Peer:
+        """After yielding a connect race: wait for the surviving connection."""
+        while True:
+            p = self._peers.get(rank) if rank is not None else None
+            if p is not None and not p.lost and p.joined and (agent is None or p.agent == agent):
+                return p
+            changed = self._changed
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as scope:
+                await changed.wait()
+            if scope.cancelled_caught:
+                raise HandshakeError(f"handshake with {address}: the other connection with rank "
+                                     f"{rank} did not come up in time")
+
+    async def connect(self, address: str, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+        limit = self._timeout(timeout)
         host, port = parse_address(address)
         assert self._host is not None and self._tg is not None
+        deadline = anyio.current_time() + limit
         try:
-            with anyio.fail_after(self.handshake_timeout):
+            with anyio.fail_after(limit):
                 stream = await anyio.connect_tcp(host, port)
         except (OSError, TimeoutError) as exc:
             raise HandshakeError(f"cannot reach a peer at {address}: {exc}") from exc
         _keepalive(stream)
-        buf = bytearray()
-        peer: _Peer | None = None
+        fs = FrameStream(stream)
+        join = _Join(self, fs, initiator=True)
         try:
-            with anyio.fail_after(self.handshake_timeout):
-                await _send_frame(stream, self._my_hello())
-                frame = await _recv_frame(stream, buf)
-                try:
-                    self._check(frame)
-                    peer = self._add_peer(frame, stream)
-                except XavierError as exc:
-                    if "error" not in frame:
-                        await _send_frame(stream, _refusal(exc))
-                    raise
-                await _send_frame(stream, {"ok": True})
-                ack = await _recv_frame(stream, buf)
-                if "error" in ack:
-                    _raise_refusal(ack)
+            with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
+                await exchange(fs, initiator=True, party=join, secret=self._secret)
         except BaseException as exc:
-            if peer is not None:  # added but never joined: forget it again
-                self._drop(peer.rank)
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+            if join.peer is not None:  # added but never joined: forget it again
+                self._drop(join.peer.rank)
+            join.finish()
+            await fs.aclose()
+            if isinstance(exc, PeerYielded):  # a connect race, or already connected
+                rank = join.rank if join.rank is not None else exc.rank
+                agent = join.agent if join.agent is not None else exc.agent
+                p = await self._await_peer(rank, agent, deadline, address)
+                return p.rank, p.hello
             if not isinstance(exc, XavierError) and isinstance(
-                    exc, (TimeoutError, OSError, anyio.EndOfStream, anyio.BrokenResourceError,
-                          ValueError, TypeError)):
+                    exc, (TimeoutError, OSError, anyio.EndOfStream, anyio.IncompleteRead,
+                          anyio.BrokenResourceError, ValueError, TypeError)):
                 raise HandshakeError(f"handshake with {address} failed: {exc!r}") from exc
             raise
-        self._host.peer_joined(peer.rank, frame["hello"])
-        self._tg.start_soon(self._watch, peer, buf)
-        return peer.rank, frame["hello"]
+        peer = self._joined(join)
+        join.finish()
+        self._tg.start_soon(self._watch, peer)
+        return peer.rank, peer.hello
 
     async def _accept_loop(self, listener: Any) -> None:
         assert self._tg is not None
@@ -340,57 +507,82 @@ class NixlTransport(Transport):
                 stream = await listener.accept()
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return
+            if self._unauthenticated >= self.max_unauthenticated:  # a flood: hang up at once
+                self.refused_connections += 1
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+                continue
+            self._unauthenticated += 1
             self._tg.start_soon(self._accept, stream)
 
     async def _accept(self, stream: SocketStream) -> None:
-        _keepalive(stream)
-        buf = bytearray()
-        peer: _Peer | None = None
+        fs = FrameStream(stream)
+        join = _Join(self, fs, initiator=False)
         try:
-            with anyio.fail_after(self.handshake_timeout):
-                frame = await _recv_frame(stream, buf)
-                try:
-                    self._check(frame)
-                except XavierError as exc:
-                    await _send_frame(stream, _refusal(exc))
-                    await stream.aclose()
-                    return
-                await _send_frame(stream, self._my_hello())
-                ack = await _recv_frame(stream, buf)
-                if "error" in ack:
-                    await stream.aclose()
-                    return
-                try:
-                    peer = self._add_peer(frame, stream)
-                except XavierError as exc:
-                    await _send_frame(stream, _refusal(exc))
-                    await stream.aclose()
-                    return
-                await _send_frame(stream, {"ok": True})
+            try:
+                with anyio.fail_after(self.handshake_timeout):
+                    await exchange(fs, initiator=False, party=join, secret=self._secret,
+                                   first_timeout=self.first_frame_timeout)
+            finally:
+                self._unauthenticated -= 1
         except Exception as exc:
-            log.info("handshake from a peer failed: %r", exc)
-            if peer is not None:
-                self._drop(peer.rank)
-            await stream.aclose()
+            if isinstance(exc, PeerYielded):
+                log.debug("handshake from a peer gave way to another connection: %s", exc)
+            elif "authentication failed" in str(exc):
+                log.warning("refused a peer from %s: %s", _remote(stream), exc)
+            else:
+                log.info("handshake from %s failed: %r", _remote(stream), exc)
+            if join.peer is not None:
+                self._drop(join.peer.rank)
+            join.finish()
+            await fs.aclose()
             return
-        assert self._host is not None
-        self._host.peer_joined(peer.rank, frame["hello"])
-        await self._watch(peer, buf)
+        _keepalive(stream)
+        peer = self._joined(join)
+        join.finish()
+        await self._watch(peer)
 
-    async def _watch(self, peer: _Peer, buf: bytearray) -> None:
+    async def _watch(self, peer: _Peer) -> None:
         """Hold the peer's TCP stream; its end means the peer is gone."""
         reason = "closed the connection"
+        confirmed = False  # its side closed the connection: the process closed or died
         try:
             while True:
-                await peer.stream.receive()
+                await peer.fs.reader.receive()
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             reason = f"connection ended ({type(exc).__name__})"
+            confirmed = isinstance(exc, anyio.EndOfStream) or isinstance(
+                exc.__cause__ or exc, ConnectionResetError)
         finally:
             current = self._peers.get(peer.rank)
             if current is peer and not peer.lost and not self._closed:
-                peer.lost = True
+                self._peer_gone(peer, confirmed)
                 assert self._host is not None
                 self._host.peer_lost(peer.rank, PeerLostError(f"rank {peer.rank} {reason}"))
+
+    def _peer_gone(self, peer: _Peer, confirmed: bool) -> None:
+        """Mark ``peer`` lost. Unless its side closed the connection (``confirmed``), its
+        rank stays reserved for its agent for ``rank_grace`` seconds: the old process may
+        still be alive behind a partition and still hold our receive slab's address."""
+        peer.lost = True
+        if confirmed:
+            self._gone.pop(peer.rank, None)
+        else:
+            self._gone[peer.rank] = (peer.agent, anyio.current_time() + self.rank_grace)
+
+    def _check_owner(self, rank: int, agent: str) -> None:
+        gone = self._gone.get(rank)
+        if gone is None:
+            return
+        old, until = gone
+        left = until - anyio.current_time()
+        if old == agent or left <= 0:
+            del self._gone[rank]
+            return
+        raise HandshakeError(
+            f"rank {rank} was lost {self.rank_grace - left:.1f} s ago without a clean close and "
+            f"may still be alive; another agent can claim it in {left:.1f} s, or at once after "
+            f"the old one ({old}) reconnects and closes")
 
     # -- peers --------------------------------------------------------------------------
     def _peer(self, rank: int) -> _Peer:
@@ -406,7 +598,7 @@ class NixlTransport(Transport):
             self._release_later[id(h)] = h
             return
         try:
-            self.agent.release_xfer_handle(h)
+            self._agent.release_xfer_handle(h)
         except Exception:
             log.debug("release_xfer_handle failed", exc_info=True)
 
@@ -423,8 +615,9 @@ class NixlTransport(Transport):
         peer.lost = True
         self._release(peer)
         self._by_agent.pop(peer.agent, None)
+        self._notify()
         try:
-            self.agent.remove_remote_agent(peer.agent)
+            self._agent.remove_remote_agent(peer.agent)
         except Exception:
             log.debug("remove_remote_agent failed", exc_info=True)
 
@@ -439,14 +632,14 @@ class NixlTransport(Transport):
             return
         self._drop(peer)
         with anyio.CancelScope(shield=True):
-            await p.stream.aclose()
+            await p.fs.aclose()
 
     # -- data path ----------------------------------------------------------------------
     def _handle(self, peer: _Peer, local_ptr: int, nbytes: int) -> Any:
-        return self.agent.initialize_xfer(
+        return self._agent.initialize_xfer(
             "WRITE",
-            self.agent.get_xfer_descs([(local_ptr, nbytes, self._dev)], self._mem),
-            self.agent.get_xfer_descs([(peer.recv_ptr, nbytes, peer.recv_dev)], peer.mem),
+            self._agent.get_xfer_descs([(local_ptr, nbytes, self._dev)], self._mem),
+            self._agent.get_xfer_descs([(peer.recv_ptr, nbytes, peer.recv_dev)], peer.mem),
             peer.agent)
 
     async def map_view(self, peer: int, view: SlabView) -> object:
@@ -464,7 +657,9 @@ class NixlTransport(Transport):
 
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
         p = self._peer(peer)
-        m: _Mapping = mapping  # type: ignore[assignment]
+        if not isinstance(mapping, _Mapping):
+            raise InvalidRequestError(f"not a mapping of this transport: {mapping!r}")
+        m = mapping
         h = m.by_len.get(nbytes)
         if h is None:  # trimmed copy of a new length: exact-length handle, kept in a small LRU
             h = self._handle(p, m.local_ptr, nbytes)
@@ -476,7 +671,7 @@ class NixlTransport(Transport):
                         break
         elif nbytes != m.view_bytes:
             m.by_len.move_to_end(nbytes)
-        agent = self.agent
+        agent = self._agent
         now = time.monotonic()
         self._last_activity = now
         state = agent.transfer(h, notify or b"")
@@ -496,8 +691,10 @@ class NixlTransport(Transport):
         """Poll a posted copy to a terminal state. A copy is never abandoned while NIXL
         may still be reading the send slab: if the peer is lost meanwhile, polling goes on
         (UCX fails the copy once the connection is gone) until ``write_timeout``."""
-        w: _Pending = pending  # type: ignore[assignment]
-        agent, checkpoint = self.agent, anyio.lowlevel.checkpoint
+        if not isinstance(pending, _Pending):
+            raise InvalidRequestError(f"not a pending copy of this transport: {pending!r}")
+        w = pending
+        agent, checkpoint = self._agent, anyio.lowlevel.checkpoint
         key = id(w.handle)
         try:
             while True:
@@ -525,7 +722,7 @@ class NixlTransport(Transport):
         p = self._peer(peer)
         self._last_activity = time.monotonic()
         try:
-            self.agent.send_notif(p.agent, msg)
+            self._agent.send_notif(p.agent, msg)
         except Exception as exc:
             raise PeerLostError(f"cannot notify rank {peer}: {exc}") from exc
         await anyio.lowlevel.checkpoint()
@@ -538,7 +735,7 @@ class NixlTransport(Transport):
         p = self._peer(peer)
         assert self._send_slab is not None
         h = self._handle(p, self._send_slab.tensor.data_ptr(), nbytes)
-        agent, perf = self.agent, time.perf_counter
+        agent, perf = self._agent, time.perf_counter
         out = []
         try:
             for i in range(warmup + copies):
@@ -556,7 +753,7 @@ class NixlTransport(Transport):
 
     async def _poll_loop(self) -> None:
         """Deliver NIXL notifications to the endpoint; spin while busy, nap while idle."""
-        agent, host = self.agent, self._host
+        agent, host = self._agent, self._host
         assert host is not None
         by_agent = self._by_agent
         deliver = host.deliver
