@@ -410,3 +410,27 @@ async def test_copy_raw_needs_the_peers_consent():
         with pytest.raises(InvalidRequestError, match="raw copies"):
             await copy_raw(a, 1, 16)
         assert_same_bytes(b.recv_slab.tensor, before)
+
+
+async def test_disconnect_drops_the_peer_on_both_ends_and_reconnecting_works():
+    src = {0: random_cache(4, (8,), torch.float32, seed=3)}
+    dst = {0: zero_cache(4, (8,), torch.float32)}
+    async with cluster([src, dst]) as (a, b):
+        a.publish("k", 2)
+        await b.load({0: {0: {"k": 1}}})
+        await b.disconnect(0)
+        await b.disconnect(0)                          # idempotent
+        assert b.peers == () and a.peers == ()
+        with pytest.raises(UnknownPeerError):
+            await b.load({0: {0: {"k": 3}}})
+        assert await b.connect(a.address) == 0
+        assert await b.connect(a.address) == 0         # already connected: its rank
+        await b.load({0: {0: {"k": 3}}})
+        assert_same_bytes(dst[0][1], src[0][2])
+        assert_same_bytes(dst[0][3], src[0][2])
+        for bad in (-1, True, "0"):
+            with pytest.raises(InvalidRequestError):
+                await b.disconnect(bad)
+        for bad in (0, -1.0, True):
+            with pytest.raises(InvalidRequestError):
+                await b.connect(a.address, timeout=bad)

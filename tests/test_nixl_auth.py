@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("nixl")
 
 from xavier_async import Endpoint, EndpointConfig, HandshakeError  # noqa: E402
-from xavier_async.peer_process import (LayoutSpec, PeerProcess, PeerSpec, check_loaded,  # noqa: E402
+from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec, check_loaded,  # noqa: E402
                                        pattern_caches, zero_slots)
 from xavier_async.transports.nixl import NixlTransport  # noqa: E402
 

@@ -279,14 +279,28 @@ class Endpoint:
     def peers(self) -> tuple[int, ...]:
         return tuple(sorted(self._channels))
 
-    async def connect(self, address: str) -> int:
+    async def connect(self, address: str, *, timeout: float | None = None) -> int:
         """Handshake with the endpoint at ``address`` (both ends learn each other). Returns
-        the peer's rank. Raises :class:`HandshakeError` or :class:`LayoutMismatchError`."""
+        the peer's rank. Idempotent: connecting to a connected peer, or both ends
+        connecting at once, leaves exactly one connection and returns the peer's rank.
+        ``timeout``: seconds for this handshake (default: the transport's). Raises
+        :class:`HandshakeError` or :class:`LayoutMismatchError`."""
         self._check_open()
         if not isinstance(address, str) or not address:
             raise HandshakeError(f"peer address must be a non-empty string, got {address!r}")
-        rank, _ = await self.transport.connect(address)
+        if timeout is not None:
+            timeout = check_number("timeout", timeout, strictly_positive=True)
+        rank, _ = await self.transport.connect(address, timeout)
         return rank
+
+    async def disconnect(self, peer: int) -> None:
+        """Drop the connection to ``peer`` (idempotent; an unknown peer is ignored). Loads
+        from it that are waiting fail with :class:`PeerLostError`; the peer sees us go."""
+        self._check_open()
+        peer = check_int("peer", peer, minimum=0)
+        if peer in self._channels:
+            self._peer_lost(peer, PeerLostError(f"rank {self.rank} disconnected from rank {peer}"))
+        await self._disconnect(peer)
 
     def channel(self, peer: int) -> PeerChannel:
         """The channel this endpoint uses to write to ``peer``."""

@@ -727,30 +727,6 @@ class NixlTransport(Transport):
             raise PeerLostError(f"cannot notify rank {peer}: {exc}") from exc
         await anyio.lowlevel.checkpoint()
 
-    def raw_floor(self, peer: int, nbytes: int, copies: int, warmup: int = 10) -> list[float]:
-        """Diagnostic: the raw NIXL floor to ``peer`` on the same registrations: one
-        handle created once and re-posted, completion busy-polled, no event loop, no
-        notification. Returns per-copy seconds. Writes scratch bytes into the peer's
-        receive slab: only use it while the peer loads nothing (as the benchmark does)."""
-        p = self._peer(peer)
-        assert self._send_slab is not None
-        h = self._handle(p, self._send_slab.tensor.data_ptr(), nbytes)
-        agent, perf = self._agent, time.perf_counter
-        out = []
-        try:
-            for i in range(warmup + copies):
-                t = perf()
-                state = agent.transfer(h)
-                while state == "PROC":
-                    state = agent.check_xfer_state(h)
-                if state != "DONE":
-                    raise TransferError(f"raw floor copy failed: {state}")
-                if i >= warmup:
-                    out.append(perf() - t)
-        finally:
-            agent.release_xfer_handle(h)
-        return out
-
     async def _poll_loop(self) -> None:
         """Deliver NIXL notifications to the endpoint; spin while busy, nap while idle."""
         agent, host = self._agent, self._host
