@@ -92,7 +92,7 @@ class Replica:
         async def one(req: dict[str, Any]) -> None:
             async with gate:
                 results.append(await self._request(req, mode, arg["new_tokens"],
-                                                   req["id"] in cancel, first_load))
+                                                   req["id"] in cancel, first_load, tg))
 
         async def signal_loading() -> None:
             # failure injection: tell the driver that a load is in flight (it then kills the source)
@@ -111,8 +111,14 @@ class Replica:
         return {"wall_s": time.perf_counter() - t0,
                 "requests": sorted(results, key=lambda r: int(r["id"]))}
 
+    @staticmethod
+    async def _cancel_soon(scope: Any) -> None:
+        import anyio
+        await anyio.lowlevel.checkpoint()
+        scope.cancel()
+
     async def _request(self, req: dict[str, Any], mode: str, new_tokens: int, cancel: bool,
-                       first_load: Any) -> dict[str, Any]:
+                       first_load: Any, side: Any) -> dict[str, Any]:
         import anyio
 
         from ..errors import XavierError
@@ -130,16 +136,9 @@ class Replica:
                 try:
                     with anyio.CancelScope() as scope:
                         if cancel:  # cancelled mid-load: the load is under way when this fires
-                            async def cancel_soon() -> None:
-                                await anyio.sleep(0)
-                                scope.cancel()
-                            async with anyio.create_task_group() as tg:
-                                tg.start_soon(cancel_soon)
-                                first_load.set()
-                                await self.ep.load(request)
-                        else:
-                            first_load.set()
-                            await self.ep.load(request)
+                            side.start_soon(self._cancel_soon, scope)
+                        first_load.set()
+                        await self.ep.load(request)
                     out["loaded"] = not scope.cancelled_caught
                     if scope.cancelled_caught:
                         out["cancelled"] = True
