@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("nixl")
 pytest.importorskip("transformers")
 
-from xavier_async.demo import add_arguments, run, run_demo  # noqa: E402
-from xavier_async.demo.driver import lookup  # noqa: E402
-from xavier_async.demo.model import BLOCK, SMALL, block_hashes, cacheable_blocks  # noqa: E402
+from xavier_async.demo import add_arguments, run, run_demo
+from xavier_async.demo.driver import lookup
+from xavier_async.demo.model import BLOCK, SMALL, block_hashes, cacheable_blocks
 
 #: small enough for 2 busy cores: 2 cold prompts of 4 blocks, 16 warm requests in flight
 SMALL_RUN = ["--cold", "2", "--warm", "16", "--prefix-blocks", "4", "--suffix-tokens", "20",

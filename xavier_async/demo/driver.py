@@ -15,12 +15,10 @@ import multiprocessing
 import os
 import random
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 

@@ -147,7 +147,8 @@ class Runner:
         torch.manual_seed(seed)  # identical weights on every replica
         config = shape.config()
         config._attn_implementation = "sdpa"
-        self.model = Qwen2ForCausalLM(config).to(dtype=shape.torch_dtype, device=device).eval()
+        model: Any = Qwen2ForCausalLM(config)
+        self.model: Any = model.to(dtype=shape.torch_dtype, device=device).eval()
         self.kv = PagedKV(shape, num_slots, device)
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values -> cache and num_logits_to_keep -> logits_to_keep
@@ -189,7 +190,8 @@ class Runner:
         if self._keep_kw is not None:
             kw[self._keep_kw] = 1
         out = self.model(input_ids=input_ids, position_ids=pos, use_cache=True, **kw)
-        return out.logits[0, -1].float()
+        logits: torch.Tensor = out.logits[0, -1].float()
+        return logits
 
     # -- prefill and decode ---------------------------------------------------------------
     @torch.no_grad()
