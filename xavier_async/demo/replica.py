@@ -178,7 +178,8 @@ class Replica:
         ref_gen, ref_logits = ref
         return {"tokens_equal": gen == ref_gen,
                 "logits_equal": bool(torch.equal(logits, ref_logits)),
-                "max_abs_diff": float((logits - ref_logits).abs().max())}
+                "max_abs_diff": float((logits - ref_logits).abs().max()),
+                "max_abs_ref": float(ref_logits.abs().max())}
 
 
 def replica_main(conn: Connection, spec: dict[str, Any]) -> None:
