@@ -3,6 +3,8 @@ registration counts are consistent (timings are reported, never asserted)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from xavier_async.bench import BenchOptions, bench_layout, make_trace, trace_payload
@@ -19,7 +21,25 @@ FULL, SMALL = 2 << 20, 64 << 10
 def report(tmp_path_factory):
     stdout, report = run_bench_cli(tmp_path_factory.mktemp("bench"))
     assert "Seed cases" in stdout and "Targets" in stdout
+    # quiet by default: the output starts with the bench's own header, no NIXL INFO lines
+    # (from this process or the peer process it starts)
+    assert stdout.lstrip().startswith("xavier-async "), stdout[:300]
+    assert "NIXL INFO" not in stdout
     return report
+
+
+def test_the_command_line_keeps_nixl_quiet_unless_verbose(monkeypatch):
+    import logging
+
+    from xavier_async.bench.cli import quiet_nixl
+    monkeypatch.delenv("NIXL_LOG_LEVEL", raising=False)
+    monkeypatch.delenv("UCX_LOG_LEVEL", raising=False)
+    nixl_logger = logging.getLogger("nixl")
+    monkeypatch.setattr(nixl_logger, "level", logging.INFO)
+    quiet_nixl(verbose=True)
+    assert "NIXL_LOG_LEVEL" not in os.environ and nixl_logger.level == logging.INFO
+    quiet_nixl(verbose=False)
+    assert os.environ["NIXL_LOG_LEVEL"] == "WARN" and nixl_logger.level == logging.WARNING
 
 
 def test_json_has_every_section_and_environment(report):

@@ -434,3 +434,23 @@ async def test_disconnect_drops_the_peer_on_both_ends_and_reconnecting_works():
         for bad in (0, -1.0, True):
             with pytest.raises(InvalidRequestError):
                 await b.connect(a.address, timeout=bad)
+
+
+async def test_all_layers_loads_every_layer_and_numpy_or_torch_slots_are_ints():
+    from xavier_async import ALL_LAYERS
+    np = pytest.importorskip("numpy")
+    src = {layer: random_cache(6, (8,), torch.bfloat16, seed=10 + layer) for layer in range(3)}
+    dst = {layer: zero_cache(6, (8,), torch.bfloat16) for layer in range(3)}
+    async with cluster([src, dst]) as (a, b):
+        a.publish("k", np.int64(4))                  # published in every layer by default
+        a.publish("j", torch.tensor(1))
+        r = await b.load({0: {ALL_LAYERS: {"k": np.int32(2), "j": [torch.tensor(5)]}}})
+        assert r.blocks == 6
+        for layer in range(3):
+            assert_same_bytes(dst[layer][2], src[layer][4])
+            assert_same_bytes(dst[layer][5], src[layer][1])
+        with pytest.raises(InvalidRequestError, match="conflicting"):
+            await b.load({0: {ALL_LAYERS: {"k": 0}, 1: {"j": 0}}})
+        for bad in (np.float32(1), torch.tensor(1.0), True):
+            with pytest.raises(InvalidRequestError):
+                await b.load({0: {ALL_LAYERS: {"k": bad}}})

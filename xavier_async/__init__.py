@@ -11,6 +11,7 @@ from .endpoint import Endpoint, EndpointConfig, LoadResult
 from .errors import (EndpointClosedError, HandshakeError, InvalidRequestError,
                      LayoutMismatchError, PeerLostError, RegistrationError, RemoteError,
                      TransferError, UnknownPeerError, XavierError)
+from .layout import ALL_LAYERS
 from .metrics import EndpointMetrics, PeerMetrics
 from .policy import ChannelPolicy, build_machine
 from .retry import RetryPolicy
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "ChannelPolicy", "build_machine", "Endpoint", "EndpointConfig", "LoadResult",
+    "ALL_LAYERS", "ChannelPolicy", "build_machine", "Endpoint", "EndpointConfig", "LoadResult",
     "PeerChannel", "RetryPolicy", "EndpointMetrics", "PeerMetrics",
     "Transport", "LocalFabric", "LocalTransport", "NixlTransport", "SlabSizes",
     "XavierError", "InvalidRequestError", "LayoutMismatchError", "UnknownPeerError",

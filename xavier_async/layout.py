@@ -5,10 +5,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Final, Union
 
 import torch
 
+from ._checks import check_int
 from .errors import InvalidRequestError, LayoutMismatchError
 
 LayerId = Union[int, str]
@@ -16,6 +17,28 @@ BlockKey = Union[int, str, bytes]
 
 #: Packed segments start at multiples of this, so any dtype can be viewed in place.
 SEGMENT_ALIGN = 16
+
+
+class _AllLayers:
+    """The type of :data:`ALL_LAYERS` (one instance)."""
+
+    _instance: _AllLayers | None = None
+
+    def __new__(cls) -> _AllLayers:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "ALL_LAYERS"
+
+    def __reduce__(self) -> str:
+        return "ALL_LAYERS"
+
+
+#: In a load request, stands for every layer of the loading endpoint's caches:
+#: ``{src: {ALL_LAYERS: {key: slot}}}`` loads ``key`` into ``slot`` of each layer.
+ALL_LAYERS: Final = _AllLayers()
 
 
 @dataclass(frozen=True)
@@ -101,8 +124,12 @@ def check_key(key: object) -> None:
 
 
 def check_slot(slot: object, spec: LayerSpec, layer: LayerId) -> int:
-    if isinstance(slot, bool) or not isinstance(slot, int):
-        raise InvalidRequestError(f"slot for layer {layer!r} must be an int, got {slot!r}")
+    """A slot index of ``layer`` (numpy and torch integers accepted); returns a plain int."""
+    if type(slot) is not int:
+        if isinstance(slot, bool) or not hasattr(slot, "__index__"):
+            raise InvalidRequestError(f"slot for layer {layer!r} must be an int, got {slot!r}")
+        slot = check_int(f"slot for layer {layer!r}", slot)
+    assert isinstance(slot, int)
     if not 0 <= slot < spec.num_slots:
         raise InvalidRequestError(
             f"slot {slot} out of range for layer {layer!r} ({spec.num_slots} slots)")

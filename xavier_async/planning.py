@@ -1,6 +1,7 @@
 """Turning a load request into batches that fit the slab (pure core, no I/O).
 
-A request names, per source rank, ``{layer: {block key: slot or [slots]}}``. Requests are
+A request names, per source rank, ``{layer: {block key: slot or [slots]}}``; the layer
+:data:`~xavier_async.layout.ALL_LAYERS` stands for every layer of the caches. Requests are
 merged and validated as a whole before anything is sent: unknown layers, bad slots and two
 different blocks aimed at one slot are rejected up front. Each source's blocks are then
 packed greedily, in request order, into batches no larger than the full slab; a batch is a
@@ -14,8 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
 from .errors import InvalidRequestError
-from .layout import (SEGMENT_ALIGN, BlockKey, CacheLayout, LayerId, align_up, check_key,
-                     check_layer_id, check_slot)
+from .layout import (ALL_LAYERS, SEGMENT_ALIGN, BlockKey, CacheLayout, LayerId, align_up,
+                     check_key, check_layer_id, check_slot)
 
 SlotSpec = Union[int, Sequence[int]]
 #: ``{source rank: {layer: {block key: slot or [slots]}}}``; layers are LayerId and keys
@@ -71,6 +72,15 @@ def _conflict(layer: LayerId, slot: int, prev: tuple[int, BlockKey], src: int, k
         f"{prev[1]!r} from rank {prev[0]} and by key {key!r} from rank {src}")
 
 
+def _expand_all_layers(layers: Mapping[Any, Any], layout: CacheLayout) -> Iterable[tuple[Any, Any]]:
+    """The request's ``(layer, blocks)`` pairs, :data:`ALL_LAYERS` standing for each layer."""
+    for layer, blocks in layers.items():
+        if layer is ALL_LAYERS:
+            yield from ((each, blocks) for each in layout.layers)
+        else:
+            yield layer, blocks
+
+
 def normalize(requests: LoadRequest | Iterable[LoadRequest], layout: CacheLayout,
               ) -> dict[int, SourcePlan]:
     """Merge one or several requests and validate them all before any byte moves."""
@@ -87,7 +97,7 @@ def normalize(requests: LoadRequest | Iterable[LoadRequest], layout: CacheLayout
             if not isinstance(layers, Mapping):
                 raise InvalidRequestError(f"request for source {src} must map layer -> blocks")
             per_src = merged.setdefault(src, {})
-            for layer, blocks in layers.items():
+            for layer, blocks in _expand_all_layers(layers, layout):
                 check_layer_id(layer)
                 spec = layout.layers.get(layer)
                 if spec is None:
@@ -111,12 +121,11 @@ def normalize(requests: LoadRequest | Iterable[LoadRequest], layout: CacheLayout
                         elif slots not in old:
                             per_layer[key] = old + (slots,)
                         continue
-                    slot_list = (slots,) if isinstance(slots, int) and not isinstance(slots, bool) \
-                        else tuple(slots) if isinstance(slots, (list, tuple)) else (slots,)
-                    if not slot_list:
+                    raw_slots = tuple(slots) if isinstance(slots, (list, tuple)) else (slots,)
+                    if not raw_slots:
                         raise InvalidRequestError(f"key {key!r} in layer {layer!r} names no slot")
+                    slot_list = tuple(check_slot(slot, spec, layer) for slot in raw_slots)
                     for slot in slot_list:
-                        check_slot(slot, spec, layer)
                         prev = owned.setdefault(slot, (src, key))
                         if prev[1] != key or prev[0] != src:
                             _conflict(layer, slot, prev, src, key)

@@ -1,9 +1,11 @@
-"""The ``xavier-async`` command line: ``xavier-async bench [options]``."""
+"""The ``xavier-async`` command line: ``xavier-async bench [options]`` and ``xavier-async demo [options]``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +44,8 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xavier-async", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show NIXL's and UCX's own INFO logs (quiet by default)")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="benchmark two endpoints against a floor measured in the same run",
                        description="Run the floor, the seed's four channel cases, end-to-end loads, "
@@ -68,13 +72,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the four channel cases through xoscar's copy_to over NIXL (two "
                         "processes, same sizes and counts), side by side; needs "
                         "pip install 'xavier-async[xoscar]'")
+    from ..demo import add_arguments as demo_arguments
+    d = sub.add_parser("demo", help="prefix sharing between two replicas of a real model "
+                                    "(needs the demo extra: transformers)",
+                       description="Two Qwen2 replicas (random weights, same seed) in two "
+                                   "processes: warm requests load their prefix blocks from the "
+                                   "other replica, every answer checked against recomputing.")
+    demo_arguments(d)
     return p
+
+
+def quiet_nixl(verbose: bool) -> None:
+    """NIXL logs INFO lines to stdout by default; the command line keeps them to warnings
+    unless ``-v``. Set for this process (NIXL's own logger) and, through the environment,
+    for the peer processes it starts. Library code never changes logging configuration."""
+    if verbose:
+        return
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_nixl(args.verbose)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "demo":
+        from ..demo import run as run_demo
+        return run_demo(args)
     return 2  # pragma: no cover
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from multiprocessing.connection import Connection
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -188,7 +186,7 @@ class PeerProcess:
         env = dict(spec.env or {})
         if spec.cuda_visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible
-        self._child = ChildProcess("xavier_async.testing.peer_process", [json.dumps(asdict(spec))],
+        self._child = ChildProcess("xavier_async.testing.peer_main", [json.dumps(asdict(spec))],
                                    f"peer process (rank {spec.rank})", env=env, wrapper=spec.wrapper)
         self.proc = self._child.proc
         try:
@@ -213,6 +211,3 @@ class PeerProcess:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-if __name__ == "__main__":
-    _child(Connection(int(sys.argv[1])), json.loads(sys.argv[2]))

@@ -1,0 +1,230 @@
+"""One serving replica of the demo, in its own process: a :class:`~xavier_async.demo.model.Runner`
+(model + paged KV cache) and one :class:`~xavier_async.Endpoint` over NIXL whose caches are
+the runner's slot tensors.
+
+The driver sends it batches of requests over a pipe. Each request is an async task (at
+most ``concurrency`` at once); model forwards run in a worker thread behind a capacity
+limiter of 1 (one device, one forward at a time), so loads of some requests overlap the
+forwards of others. Three request modes:
+
+* ``cold``: prefill the prompt's full blocks into slots, **publish** them, decode.
+* ``load``: the driver found ``hits`` (a prefix of block hashes) on peer ``source``:
+  **load** them into fresh slots, build the model's cache from those slots, prefill only
+  the rest, decode; on any :class:`~xavier_async.XavierError` recompute the prefix instead.
+* ``recompute``: prefill the same prefix blocks locally (same chunking as the owner), then
+  the same steps. This is the reference every ``load`` request is compared against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
+
+import torch
+
+from .model import BLOCK, ModelShape, Runner
+
+T = TypeVar("T")
+
+
+def _reply_error(conn: Connection, exc: BaseException) -> None:
+    try:
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    except Exception:
+        pass  # the driver is gone
+
+
+class Replica:
+    """The request handling of one replica (runs on the replica's event loop)."""
+
+    def __init__(self, runner: Runner, endpoint: Any, conn: Connection, chunk_tokens: int) -> None:
+        import anyio
+        self.runner = runner
+        self.ep = endpoint
+        self.conn = conn
+        self.chunk = chunk_tokens
+        self.model_lock = anyio.CapacityLimiter(1)
+        #: request id -> (tokens, logits) of the recompute path (the reference)
+        self.reference: dict[int, tuple[list[int], torch.Tensor]] = {}
+        #: block hash -> digest of the bytes this replica computed for it
+        self.block_digest: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        # worker threads start on the default CUDA device: make ours current there
+        if self.runner.device.type == "cuda":
+            with torch.cuda.device(self.runner.device):
+                yield
+        else:
+            yield
+
+    async def _model(self, fn: Callable[..., T], *args: Any) -> T:
+        import anyio
+
+        def call() -> T:
+            with self._on_device():
+                return fn(*args)
+        return await anyio.to_thread.run_sync(call, limiter=self.model_lock)
+
+    def warm_up(self) -> None:
+        """One small prefill + decode, so the first timed request pays no start-up cost."""
+        slots = self.runner.kv.alloc(2)
+        tokens = list(range(2 * BLOCK + 3))
+        with self._on_device():
+            self.runner.prefill_blocks(tokens, slots, self.chunk)
+            cache, first = self.runner.first_token(tokens, slots)
+            self.runner.decode(cache, first, len(tokens), 2)
+        self.runner.kv.release(slots)
+
+    # -- one batch of requests ------------------------------------------------------------
+    async def run_batch(self, arg: dict[str, Any]) -> dict[str, Any]:
+        import anyio
+        mode: str = arg["mode"]
+        cancel = set(arg.get("cancel", ()))
+        gate = anyio.Semaphore(int(arg.get("concurrency", 16)))
+        first_load = anyio.Event()
+        results: list[dict[str, Any]] = []
+
+        async def one(req: dict[str, Any]) -> None:
+            async with gate:
+                results.append(await self._request(req, mode, arg["new_tokens"],
+                                                   req["id"] in cancel, first_load, tg))
+
+        async def signal_loading() -> None:
+            # failure injection: tell the driver that a load is in flight (it then kills the source)
+            await first_load.wait()
+            await anyio.sleep(0.2)
+            self.conn.send(("event", "loading"))
+
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            if arg.get("signal_loading"):
+                tg.start_soon(signal_loading)
+            async with anyio.create_task_group() as reqs:
+                for req in arg["requests"]:
+                    reqs.start_soon(one, req)
+            tg.cancel_scope.cancel()
+        return {"wall_s": time.perf_counter() - t0,
+                "requests": sorted(results, key=lambda r: int(r["id"]))}
+
+    @staticmethod
+    async def _cancel_soon(scope: Any) -> None:
+        import anyio
+        await anyio.lowlevel.checkpoint()
+        scope.cancel()
+
+    async def _request(self, req: dict[str, Any], mode: str, new_tokens: int, cancel: bool,
+                       first_load: Any, side: Any) -> dict[str, Any]:
+        import anyio
+
+        from ..errors import XavierError
+        kv = self.runner.kv
+        tokens: list[int] = req["tokens"]
+        hashes: list[str] = req["hashes"] if mode == "cold" else req["hits"]
+        out: dict[str, Any] = {"id": req["id"], "mode": mode, "hits": len(hashes), "loaded": False,
+                               "fallback": None, "cancelled": False}
+        t0 = time.perf_counter()
+        slots = kv.alloc(len(hashes))
+        keep = False
+        try:
+            if mode == "load" and hashes:
+                request = {req["source"]: {layer: dict(zip(hashes, slots)) for layer in kv.caches}}
+                try:
+                    with anyio.CancelScope() as scope:
+                        if cancel:  # cancelled mid-load: the load is under way when this fires
+                            side.start_soon(self._cancel_soon, scope)
+                        first_load.set()
+                        await self.ep.load(request)
+                    out["loaded"] = not scope.cancelled_caught
+                    if scope.cancelled_caught:
+                        out["cancelled"] = True
+                        out["latency_s"] = time.perf_counter() - t0
+                        return out
+                except XavierError as exc:
+                    out["fallback"] = type(exc).__name__
+            if not out["loaded"]:
+                await self._model(self.runner.prefill_blocks, tokens, slots, self.chunk)
+            if mode == "cold":
+                for h, slot in zip(hashes, slots):
+                    self.ep.publish(h, slot)  # after prefill: peers may load these blocks now
+                out["published"] = list(zip(hashes, slots))
+                keep = True
+            digests = await self._model(lambda: [kv.digest(s) for s in slots])
+            cache, first = await self._model(self.runner.first_token, tokens, slots)
+            out["ttft_s"] = time.perf_counter() - t0
+            gen, logits = await self._model(self.runner.decode, cache, first, len(tokens), new_tokens)
+            out["latency_s"] = time.perf_counter() - t0
+            out["tokens"] = gen
+            if mode == "recompute":
+                self.reference[req["id"]] = (gen, logits)
+                self.block_digest.update(zip(hashes, digests))
+            elif mode == "load":
+                out.update(self._compare(req["id"], gen, logits))
+                known = [self.block_digest.get(h) for h in hashes]
+                out["kv_equal"] = all(k == d for k, d in zip(known, digests)) if None not in known else None
+            return out
+        finally:
+            if not keep:
+                kv.release(slots)
+
+    def _compare(self, rid: int, gen: list[int], logits: torch.Tensor) -> dict[str, Any]:
+        ref = self.reference.get(rid)
+        if ref is None:
+            return {"tokens_equal": None, "logits_equal": None, "max_abs_diff": None}
+        ref_gen, ref_logits = ref
+        return {"tokens_equal": gen == ref_gen,
+                "logits_equal": bool(torch.equal(logits, ref_logits)),
+                "max_abs_diff": float((logits - ref_logits).abs().max()),
+                "max_abs_ref": float(ref_logits.abs().max())}
+
+
+def replica_main(conn: Connection, spec: dict[str, Any]) -> None:
+    """Process entry point (multiprocessing, spawn context)."""
+    try:
+        import anyio
+
+        from .. import Endpoint, EndpointConfig
+        from ..transports import NixlTransport
+
+        torch.set_num_threads(int(spec["threads"]))  # the same on both replicas: same CPU math
+        device = torch.device(spec["device"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        shape = ModelShape(**spec["shape"])
+        runner = Runner(shape, int(spec["seed"]), device, int(spec["num_slots"]))
+    except BaseException as exc:
+        _reply_error(conn, exc)
+        return
+
+    async def main() -> None:
+        config = EndpointConfig(trimmed=bool(spec["trimmed"]))
+        async with Endpoint(int(spec["rank"]), runner.kv.caches, NixlTransport(), config) as ep:
+            replica = Replica(runner, ep, conn, int(spec["chunk_tokens"]))
+            replica.warm_up()
+            conn.send(("ok", ep.address))
+            while True:
+                cmd, arg = await anyio.to_thread.run_sync(conn.recv)
+                try:
+                    if cmd == "close":
+                        break
+                    elif cmd == "connect":
+                        res: Any = await ep.connect(arg)
+                    elif cmd == "batch":
+                        res = await replica.run_batch(arg)
+                    elif cmd == "metrics":
+                        res = ep.snapshot_metrics()
+                    else:
+                        raise ValueError(f"unknown command {cmd!r}")
+                    conn.send(("ok", res))
+                except Exception as exc:
+                    _reply_error(conn, exc)
+        conn.send(("ok", "closed"))
+
+    try:
+        anyio.run(main)
+    except BaseException as exc:
+        _reply_error(conn, exc)
