@@ -30,7 +30,7 @@ ALLOWED = {
     "shell": {"core", "shell", "transports"},
     "transports": {"core", "transports"},
     "testing": {"core", "shell", "transports", "testing"},
-    "bench": {"core", "shell", "transports", "testing", "bench"},
+    "bench": {"core", "shell", "transports", "testing", "bench", "demo"},  # the CLI hosts `demo`
     "demo": {"core", "shell", "transports", "testing", "demo"},
 }
 #: the shell modules a transport may name (for types only: slabs are what it registers)
