@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import pytest
 import torch
 
 from xavier_async import Endpoint, EndpointConfig, LocalFabric, LocalTransport, Transport
@@ -17,6 +18,16 @@ from xavier_async.bench.raw import accept_raw_copies
 from xavier_async.testing import FaultPlan, FaultyTransport
 
 KiB = 1024
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """The suites marked ``anyio`` run once per backend."""
+    return request.param
+
+
+#: for the few tests that exercise a native asyncio cancellation (Task.cancel, asyncio.timeout)
+asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 
 #: a small slab keeps tests fast and makes multi-batch loads cheap to provoke
 SMALL_CFG = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB)

@@ -18,8 +18,10 @@ from xavier_async.bench.raw import copy_raw
 
 from xavier_async import EndpointClosedError, EndpointConfig
 
-from .conftest import (KiB, CountingTransport, assert_caches_unchanged, assert_same_bytes,
+from .conftest import (asyncio_only, KiB, CountingTransport, assert_caches_unchanged, assert_same_bytes,
                        cluster, faulty, random_cache, snapshot)
+
+pytestmark = pytest.mark.anyio  # every test runs on asyncio and on trio
 
 STALL = 0.3
 EARLY = 0.05          # when the caller gets cancelled, well inside the stall
@@ -85,20 +87,23 @@ async def test_receive_slab_not_reused_before_the_cancelled_copy_ends():
         done = {}
         t0 = time.monotonic()
 
+        scope = anyio.CancelScope()
+
         async def cancelled_load():
-            with anyio.move_on_after(EARLY) as scope:
+            with scope:
                 await a.load(req(1, [(1, 1)]))
             done["cancelled"] = (time.monotonic() - t0, scope.cancelled_caught)
 
         async def next_load():
-            await anyio.sleep(EARLY * 2)       # after the cancellation
             await a.load(req(2, [(2, 2), (3, 3)]))
             done["next"] = time.monotonic() - t0
 
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(cancelled_load)
-                tg.start_soon(next_load)
+                await b.transport.wait_stalled()   # the copy has started
+                scope.cancel()
+                tg.start_soon(next_load)           # after the cancellation
         assert done["cancelled"][1]
         assert done["cancelled"][0] >= STALL * MARGIN
         assert done["next"] >= STALL * MARGIN      # waited for the slab, did not overtake
@@ -120,9 +125,9 @@ async def test_cancel_twice(how):
             with anyio.CancelScope() as outer:
                 with anyio.CancelScope() as inner:
                     async def canceller():
-                        await anyio.sleep(EARLY)
+                        await b.transport.wait_stalled()   # the copy has started
                         inner.cancel()
-                        await anyio.sleep(EARLY)
+                        await anyio.lowlevel.checkpoint()
                         (outer if how == "nested" else inner).cancel()
                     tg.start_soon(canceller)
                     await a.load(req(1, [(7, 8)]))
@@ -140,6 +145,7 @@ async def test_cancel_twice(how):
         check(cs[0], orig[1], [(9, 10)])
 
 
+@asyncio_only
 async def test_native_asyncio_cancel_waits_for_the_copy():
     cs = caches(2)
     orig = [snapshot(c) for c in cs]
@@ -148,9 +154,9 @@ async def test_native_asyncio_cancel_waits_for_the_copy():
         b.transport.stall_next_writes(1, STALL)
         t0 = time.monotonic()
         task = asyncio.ensure_future(a.load(req(1, [(2, 3)])))
-        await asyncio.sleep(EARLY)
+        await b.transport.wait_stalled()               # the copy has started
         task.cancel()
-        await asyncio.sleep(EARLY)
+        await asyncio.sleep(0)
         task.cancel()                                  # and once more
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -162,6 +168,7 @@ async def test_native_asyncio_cancel_waits_for_the_copy():
         check(cs[0], orig[1], [(4, 5)])
 
 
+@asyncio_only
 async def test_asyncio_timeout_around_a_stalled_load():
     cs = caches(2)
     orig = [snapshot(c) for c in cs]
@@ -192,7 +199,7 @@ async def test_a_load_that_never_started_is_cancelled_at_once():
             await a.load(req(1, [(0, 0)]))
 
         async def queued():
-            await anyio.sleep(EARLY)
+            await b.transport.wait_stalled()           # the first load's copy has started
             t0 = time.monotonic()
             with anyio.move_on_after(EARLY) as scope:
                 await a.load(req(2, [(1, 1)]))      # waits for the receive slab
@@ -240,6 +247,7 @@ async def test_cancelled_raw_copy_waits_for_the_write():
         assert a.metrics.peer(1).batches_sent == 2
 
 
+@asyncio_only
 async def test_native_cancel_of_a_raw_copy_waits_for_the_write():
     cs = caches(2)
     async with cluster(cs, cfg(), raw_copies=True, wrap={0: faulty()}) as (a, b):
@@ -249,7 +257,7 @@ async def test_native_cancel_of_a_raw_copy_waits_for_the_write():
         a.transport.stall_next_writes(1, STALL)
         t0 = time.monotonic()
         task = asyncio.ensure_future(copy_raw(a, 1, 16 * KiB))
-        await asyncio.sleep(EARLY)
+        await a.transport.wait_stalled()               # the copy has started
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -274,7 +282,7 @@ async def test_close_drains_in_flight_loads_then_rejects_new_work():
             out["load_done"] = time.monotonic() - t0
 
         async def close():
-            await anyio.sleep(EARLY)
+            await b.transport.wait_stalled()           # the copy has started
             await a.aclose()
             out["closed"] = time.monotonic() - t0
 
@@ -310,7 +318,7 @@ async def test_source_close_drains_the_copy_it_is_serving():
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(load)
-            await anyio.sleep(EARLY)
+            await b.transport.wait_stalled()           # the copy has started
             t0 = time.monotonic()
             await b.aclose()
             assert time.monotonic() - t0 >= (STALL - EARLY) * MARGIN
@@ -329,7 +337,7 @@ async def test_concurrent_closes_all_wait_for_the_drain():
         t0 = time.monotonic()
 
         async def close():
-            await anyio.sleep(EARLY)
+            await b.transport.wait_stalled()           # the copy has started
             await a.aclose()
             ends.append(time.monotonic() - t0)
 
@@ -354,7 +362,7 @@ async def test_cancelled_close_still_finishes_cleanup():
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(load)
-            await anyio.sleep(EARLY)
+            await b.transport.wait_stalled()           # the copy has started
             t0 = time.monotonic()
             with anyio.move_on_after(EARLY) as scope:
                 await a.aclose()
@@ -369,6 +377,7 @@ async def test_cancelled_close_still_finishes_cleanup():
         await a.aclose()
 
 
+@asyncio_only
 async def test_native_cancel_of_close_still_finishes_cleanup():
     cs = caches(2)
     orig = [snapshot(c) for c in cs]
@@ -376,10 +385,10 @@ async def test_native_cancel_of_close_still_finishes_cleanup():
         publish(b)
         b.transport.stall_next_writes(1, STALL)
         load = asyncio.ensure_future(a.load(req(1, [(4, 4)])))
-        await asyncio.sleep(EARLY)
+        await b.transport.wait_stalled()               # the copy has started
         t0 = time.monotonic()
         closing = asyncio.ensure_future(a.aclose())
-        await asyncio.sleep(EARLY)
+        await asyncio.sleep(0)                         # the close is draining
         closing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await closing

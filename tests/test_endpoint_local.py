@@ -17,6 +17,8 @@ from xavier_async.layout import SEGMENT_ALIGN, align_up
 from .conftest import (KiB, SMALL_CFG, assert_caches_unchanged, assert_same_bytes, cluster,
                        random_cache, snapshot, zero_cache)
 
+pytestmark = pytest.mark.anyio  # every test runs on asyncio and on trio
+
 
 def publish_slots(ep, slots, prefix="k"):
     """Publish key ``f"{prefix}{slot}"`` at ``slot`` in every layer."""

@@ -16,6 +16,8 @@ from xavier_async.testing import FaultPlan, FaultyTransport
 from .conftest import (KiB, CountingTransport, assert_caches_unchanged, assert_same_bytes,
                        cluster, faulty, random_cache, snapshot, zero_cache)
 
+pytestmark = pytest.mark.anyio  # every test runs on asyncio and on trio
+
 FAST_RETRY = RetryPolicy(attempts=3, base_delay=0.001, multiplier=2.0, max_delay=0.004)
 
 
@@ -293,7 +295,7 @@ async def test_lost_peer_fails_pending_loads_promptly_and_others_keep_working():
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(doomed)
-                await anyio.sleep(0.05)
+                await b.transport.wait_stalled()          # the copy has started
                 a.transport.lose_peer(1)
         assert got["elapsed"] < stall * 0.8               # did not wait for the stalled copy
         assert_same_bytes(caches[0][0][7], orig[0][0][7])

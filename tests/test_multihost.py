@@ -19,6 +19,8 @@ pytest.importorskip("nixl")
 
 from xavier_async.testing.peer_process import LayoutSpec, PeerProcess, PeerSpec  # noqa: E402
 
+pytestmark = pytest.mark.asyncio  # real NIXL processes: asyncio (pytest-asyncio)
+
 SPEC = LayoutSpec(layers=2, num_slots=32, block_shape=(2, 16, 8, 64), dtype="bfloat16")
 CFG = dict(full_bytes=1 << 20, small_bytes=64 << 10)
 

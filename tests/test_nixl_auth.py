@@ -19,6 +19,8 @@ from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec
                                        pattern_caches, zero_slots)
 from xavier_async.transports.nixl import NixlTransport  # noqa: E402
 
+pytestmark = pytest.mark.asyncio  # real NIXL processes: asyncio (pytest-asyncio)
+
 SPEC = LayoutSpec(layers=2, num_slots=16, block_shape=(2, 8, 64), dtype="bfloat16")
 CFG = dict(full_bytes=64 << 10, small_bytes=8 << 10)
 SEED = 9

@@ -21,6 +21,8 @@ from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec
                                        zero_caches, zero_slots)
 from xavier_async.transports.nixl import NixlTransport  # noqa: E402
 
+pytestmark = pytest.mark.asyncio  # real NIXL processes: asyncio (pytest-asyncio)
+
 #: XAVIER_TEST_DEVICE=cuda runs the same tests VRAM to VRAM, one process per GPU (the parent
 #: on GPU 0, each child on GPU 1; every process sees both GPUs, as CUDA IPC needs); the
 #: default is DRAM.

@@ -21,6 +21,8 @@ from xavier_async.transports.nixl import NixlTransport, _Mapping, _Pending
 
 from .fake_nixl import FakeAgent, FakeFabric
 
+pytestmark = pytest.mark.asyncio  # real NIXL processes: asyncio (pytest-asyncio)
+
 FULL, SMALL = 64 << 10, 4 << 10
 VERSION = 7
 

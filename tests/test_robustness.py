@@ -15,6 +15,8 @@ from xavier_async.testing import FaultyTransport
 
 from .conftest import assert_same_bytes, random_cache, zero_cache
 
+pytestmark = pytest.mark.anyio  # every test runs on asyncio and on trio
+
 CFG = EndpointConfig(full_bytes=4096, small_bytes=1024)
 
 
@@ -38,7 +40,7 @@ async def test_hostile_control_messages_are_dropped_and_the_endpoint_keeps_worki
         for inline in (False, True):
             a._host.deliver(1, msg, inline)
             b._host.deliver(0, msg, inline)
-        await anyio.sleep(0.01)
+        await anyio.wait_all_tasks_blocked()   # every reply or refusal has been handled
         await b.load({0: {0: {"k": 5}}})
         assert_same_bytes(dst[0][5], src[0][2])
 

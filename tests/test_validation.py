@@ -12,6 +12,8 @@ from xavier_async import (Endpoint, EndpointClosedError, EndpointConfig, Handsha
 from .conftest import (KiB, SMALL_CFG, assert_caches_unchanged, cluster, counting,
                        random_cache, snapshot, zero_cache)
 
+pytestmark = pytest.mark.anyio  # every test runs on asyncio and on trio
+
 
 def caches(dtype=torch.float32, shape=(8,), slots=8, seed=0):
     return {0: random_cache(slots, shape, dtype, seed=seed), 1: random_cache(slots, (3,), torch.int8, seed=seed + 1)}

@@ -13,6 +13,8 @@ from xavier_async.bench import BenchOptions
 
 from .conftest import run_bench_cli
 
+pytestmark = pytest.mark.asyncio  # real NIXL processes: asyncio (pytest-asyncio)
+
 FULL, SMALL, COPIES = 2 << 20, 64 << 10, 40
 CASES = ("always_full", "alternating_size_only", "alternating_streak", "sustained_small")
 

@@ -77,6 +77,7 @@ class FaultyTransport(Transport):
         self._lost: set[int] = set()
         self._writes: dict[int, int] = {}
         self._host: TransportHost | None = None
+        self._stall_waiters: list[tuple[int, anyio.Event]] = []
 
     # -- on-demand faults ---------------------------------------------------------------
     def fail_next_registrations(self, n: int = 1) -> None:
@@ -90,6 +91,16 @@ class FaultyTransport(Transport):
     def stall_next_writes(self, n: int = 1, seconds: float = 0.05) -> None:
         """The next ``n`` writes take ``seconds`` longer before they complete."""
         self._stall_writes.extend([seconds] * n)
+
+    async def wait_stalled(self, n: int = 1) -> None:
+        """Return once ``n`` writes in all have been stalled: each such copy has started
+        (posted) and is being held. Orders a test's next step after "the copy has
+        started" without sleeping."""
+        if self.injected.writes_stalled >= n:
+            return
+        event = anyio.Event()
+        self._stall_waiters.append((n, event))
+        await event.wait()
 
     def lose_peer(self, peer: int) -> None:
         """From now on ``peer`` is unreachable, as if its process died."""
@@ -153,6 +164,9 @@ class FaultyTransport(Transport):
         if self._stall_writes or self._rng.random() < self.plan.write_stall_rate:
             delay = self._stall_writes.pop(0) if self._stall_writes else self.plan.stall_seconds
             self.injected.writes_stalled += 1
+            for n, event in [w for w in self._stall_waiters if w[0] <= self.injected.writes_stalled]:
+                self._stall_waiters.remove((n, event))
+                event.set()
             return _Stalled(peer, mapping, nbytes, notify, delay, fail)
         if fail:
             self.injected.writes_failed += 1
