@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 USER_CODE = '''
 import torch
-from xavier_async import (ChannelPolicy, Endpoint, EndpointConfig, LocalFabric, NixlTransport,
-                          RetryPolicy, Transport)
+from xavier_async import (ALL_LAYERS, ChannelPolicy, Endpoint, EndpointConfig, LocalFabric,
+                          NixlTransport, RetryPolicy, Transport)
+from xavier_async.testing import FaultPlan, FaultyTransport
 
 async def main() -> None:
     caches: dict[int, torch.Tensor] = {0: torch.zeros(4, 8)}
@@ -26,6 +27,10 @@ async def main() -> None:
         b.publish("key", 1)
         result = await a.load({1: {0: {"key": 2}}})
         n: int = result.wire_bytes + ChannelPolicy(16, 4).select(3)
+        await a.load({1: {ALL_LAYERS: {"key": 3}}})
+        await a.disconnect(1)
+        assert await a.connect(b.address, timeout=5.0) == 1
+    faulty: Transport = FaultyTransport(fabric.transport(), FaultPlan(seed=1))
     nixl: Transport = NixlTransport(host="127.0.0.1", port=0)  # the top-level, lazy import
 '''
 
@@ -34,8 +39,10 @@ def test_mypy_accepts_the_package_and_typical_user_code(tmp_path):
     pytest.importorskip("mypy")
     user = tmp_path / "user_code.py"
     user.write_text(USER_CODE)
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--ignore-missing-imports",
-                           "--cache-dir", str(tmp_path / "cache"), "xavier_async", str(user)],
+    # pyproject.toml's [tool.mypy] makes this strict, for the package and the user code
+    assert "strict = true" in (ROOT / "pyproject.toml").read_text().split("[tool.mypy]")[1]
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"),
+                           "xavier_async", str(user)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -8,6 +8,7 @@ argument.
 from __future__ import annotations
 
 import operator
+from typing import SupportsIndex, cast
 
 from .errors import InvalidRequestError
 
@@ -19,7 +20,7 @@ def check_int(name: str, value: object, *, minimum: int | None = None,
         if isinstance(value, bool):
             raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
         try:
-            value = operator.index(value)  # type: ignore[arg-type]  # numpy / torch ints
+            value = operator.index(cast(SupportsIndex, value))  # numpy / torch ints
         except TypeError:
             raise InvalidRequestError(f"{name} must be an integer, got {value!r}") from None
     assert isinstance(value, int)

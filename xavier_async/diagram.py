@@ -22,7 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .policy import DEFAULT_STREAK, EVENTS, FULL, LARGE_BATCH, SMALL, SMALL_BATCH, build_machine, state_view
+from .policy import DEFAULT_STREAK, EVENTS, LARGE_BATCH, SMALL_BATCH, build_machine, state_view
+from .sizes import FULL, SMALL
 
 #: Where the generated include files live, relative to the repository root.
 SNIPPET_DIR = Path("docs") / "_snippets"

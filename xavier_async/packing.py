@@ -164,7 +164,7 @@ def scatter(slab: SlabRows, segments: Sequence[Segment], rows: ByteRows,
                           src.index_select(0, torch.tensor(picks, dtype=torch.long, device=dev)))
     _copy_all(dsts, srcs)
     if dev.type == "cuda" and not wait:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(dev))
         return event
     _sync(dev)

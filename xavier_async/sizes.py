@@ -43,8 +43,8 @@ class SlabSizes:
     def of(cls, full_bytes: object = None, small_bytes: object = None) -> SlabSizes:
         """Sizes with defaults: full 12 MiB, small ``min(full, 256 KiB)``."""
         full = check_size("full_bytes", DEFAULT_FULL_BYTES if full_bytes is None else full_bytes)
-        small = min(full, DEFAULT_SMALL_BYTES) if small_bytes is None else small_bytes
-        return cls(full, small)  # type: ignore[arg-type]  # validated in __post_init__
+        small = min(full, DEFAULT_SMALL_BYTES) if small_bytes is None else check_size("small_bytes", small_bytes)
+        return cls(full, small)
 
     @property
     def distinct(self) -> bool:

@@ -87,6 +87,6 @@ def slab_sizes(full_bytes: int | None, small_bytes: int | None) -> tuple[int, in
 
 def allocate_slabs(full_bytes: int, small_bytes: int, device: torch.device) -> tuple[Slab, Slab]:
     """The endpoint's two allocations: (send, receive). Nothing else is ever allocated for copies."""
-    return tuple(  # type: ignore[return-value]
-        Slab(direction, torch.zeros(full_bytes, dtype=torch.uint8, device=device), small_bytes)
-        for direction in ("send", "recv"))
+    send, recv = (Slab(direction, torch.zeros(full_bytes, dtype=torch.uint8, device=device), small_bytes)
+                  for direction in ("send", "recv"))
+    return send, recv

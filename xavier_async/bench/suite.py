@@ -265,7 +265,7 @@ async def seed_cases(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, floa
     return out
 
 
-def _load_request(keys: int, layers: int, layout: LayoutSpec, key0: int = 0) -> dict:
+def _load_request(keys: int, layers: int, layout: LayoutSpec, key0: int = 0) -> dict[int, Any]:
     dest0 = layout.num_slots // 2
     return {PEER: {layer: {key0 + k: dest0 + k for k in range(keys)} for layer in range(layers)}}
 
@@ -495,7 +495,7 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         res["elapsed_s"] = time.perf_counter() - t0
         return res
 
-    res = await _with_rig(o, body)
+    res: dict[str, Any] = await _with_rig(o, body)
     if o.compare == "xoscar":
         # After our rig is closed (its peer process gone), so the anchor runs on a quiet
         # machine; its ratios are against the floor measured above.

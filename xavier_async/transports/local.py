@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..errors import HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError
+from ..slabs import SlabView
 from .base import Transport
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from ..slabs import Slab, SlabView
+    from ..slabs import Slab
     from .base import TransportHost
 
 
@@ -111,7 +112,9 @@ class LocalTransport(Transport):
 
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
         other = self._peer(peer)
-        view: SlabView = mapping  # type: ignore[assignment]
+        view = mapping
+        if not isinstance(view, SlabView):
+            raise TransferError(f"not a mapping of this transport: {mapping!r}")
         if view.name not in self._mappings.get(peer, ()):
             raise TransferError(f"view {view} is not mapped for rank {peer}")
         assert other.recv_slab is not None and other.host is not None and self.host is not None
