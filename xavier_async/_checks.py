@@ -8,6 +8,7 @@ argument.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import SupportsIndex, cast
 
 from .errors import InvalidRequestError
@@ -53,3 +54,19 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequestError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+def cli_int(minimum: int) -> Callable[[str], int]:
+    """An ``argparse`` type: an integer >= ``minimum``, with a clear message otherwise."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}: {text!r}")
+        return value
+
+    return parse

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._checks import cli_int
 from ..slabs import KiB, MiB
 
 
@@ -32,14 +33,7 @@ def _size(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return v
+_positive = cli_int(1)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .._checks import cli_int
 from .model import BLOCK, QWEN25_05B, SMALL, ModelShape, block_hashes, cacheable_blocks
 
 #: ranks of the two replicas
@@ -332,24 +333,8 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 
 # -- command line -----------------------------------------------------------------------
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return v
-
-
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
-    return v
+_positive = cli_int(1)
+_non_negative = cli_int(0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,23 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 import torch
 
+from ..testing.child import send_error, serve_commands
 from .model import BLOCK, ModelShape, Runner
 
 T = TypeVar("T")
-
-
-def _reply_error(conn: Connection, exc: BaseException) -> None:
-    try:
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    except Exception:
-        pass  # the driver is gone
 
 
 class Replica:
@@ -197,7 +190,7 @@ def replica_main(conn: Connection, spec: dict[str, Any]) -> None:
         shape = ModelShape(**spec["shape"])
         runner = Runner(shape, int(spec["seed"]), device, int(spec["num_slots"]))
     except BaseException as exc:
-        _reply_error(conn, exc)
+        send_error(conn, exc)
         return
 
     async def main() -> None:
@@ -206,25 +199,14 @@ def replica_main(conn: Connection, spec: dict[str, Any]) -> None:
             replica = Replica(runner, ep, conn, int(spec["chunk_tokens"]))
             replica.warm_up()
             conn.send(("ok", ep.address))
-            while True:
-                cmd, arg = await anyio.to_thread.run_sync(conn.recv)
-                try:
-                    if cmd == "close":
-                        break
-                    elif cmd == "connect":
-                        res: Any = await ep.connect(arg)
-                    elif cmd == "batch":
-                        res = await replica.run_batch(arg)
-                    elif cmd == "metrics":
-                        res = ep.snapshot_metrics()
-                    else:
-                        raise ValueError(f"unknown command {cmd!r}")
-                    conn.send(("ok", res))
-                except Exception as exc:
-                    _reply_error(conn, exc)
-        conn.send(("ok", "closed"))
+
+            async def metrics(_: Any) -> dict[str, Any]:
+                return ep.snapshot_metrics()
+
+            await serve_commands(conn, {"connect": ep.connect, "batch": replica.run_batch,
+                                        "metrics": metrics})
 
     try:
         anyio.run(main)
     except BaseException as exc:
-        _reply_error(conn, exc)
+        send_error(conn, exc)

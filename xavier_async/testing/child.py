@@ -11,9 +11,32 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
+
+
+Handler = Callable[[Any], Awaitable[Any]]
+
+
+async def serve_commands(conn: Connection, handlers: Mapping[str, Handler]) -> None:
+    """Child side: answer the parent's ``(command, arg)`` messages with
+    ``("ok", await handlers[command](arg))`` or ``("error", text)`` until ``"close"``, which
+    is answered ``("ok", "closed")``. The pipe is read from a worker thread."""
+    import anyio
+
+    while True:
+        cmd, arg = await anyio.to_thread.run_sync(conn.recv)
+        if cmd == "close":
+            break
+        try:
+            handler = handlers.get(cmd)
+            if handler is None:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send(("ok", await handler(arg)))
+        except Exception as exc:
+            send_error(conn, exc)
+    conn.send(("ok", "closed"))
 
 
 def send_error(conn: Connection, exc: BaseException) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .child import ChildProcess, send_error
+from .child import ChildProcess, send_error, serve_commands
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "int8": torch.int8, "uint8": torch.uint8}
@@ -144,32 +144,27 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
             for slot in range(spec.layout.num_slots):
                 ep.publish(slot, slot)
             conn.send(("ok", ep.address))
-            while True:
-                cmd, arg = await anyio.to_thread.run_sync(conn.recv)
-                try:
-                    if cmd == "close":
-                        break
-                    elif cmd == "connect":
-                        res: Any = await ep.connect(arg)
-                    elif cmd == "load":
-                        request, src_seed = arg
-                        zero_slots(caches, request)
-                        r = await ep.load(request)
-                        expected = {src: pattern_caches(spec.layout, src, src_seed) for src in request}
-                        res = (asdict(r), check_loaded(caches, request, expected))
-                    elif cmd == "recv_digest":
-                        assert ep.recv_slab is not None
-                        res = digest(ep.recv_slab.tensor[:arg])
-                    elif cmd == "peers":
-                        res = list(ep.peers)
-                    elif cmd == "metrics":
-                        res = ep.snapshot_metrics()
-                    else:
-                        raise ValueError(f"unknown command {cmd!r}")
-                    conn.send(("ok", res))
-                except Exception as exc:
-                    send_error(conn, exc)
-        conn.send(("ok", "closed"))
+
+            async def load(arg: Any) -> Any:
+                request, src_seed = arg
+                zero_slots(caches, request)
+                r = await ep.load(request)
+                expected = {src: pattern_caches(spec.layout, src, src_seed) for src in request}
+                return asdict(r), check_loaded(caches, request, expected)
+
+            async def recv_digest(nbytes: Any) -> str:
+                assert ep.recv_slab is not None
+                return digest(ep.recv_slab.tensor[:nbytes])
+
+            async def peers(_: Any) -> list[int]:
+                return list(ep.peers)
+
+            async def metrics(_: Any) -> dict[str, Any]:
+                return ep.snapshot_metrics()
+
+            await serve_commands(conn, {"connect": ep.connect, "load": load,
+                                        "recv_digest": recv_digest, "peers": peers,
+                                        "metrics": metrics})
 
     try:
         anyio.run(main)
