@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import anyio
+
 import pytest
 import torch
 
@@ -147,3 +149,19 @@ def run_bench_cli(tmp_dir, *args: str) -> tuple[str, dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout, json.loads(out.read_text())
+
+
+async def raw_exchange(address: str, payloads: list[bytes], timeout: float = 5.0) -> bytes:
+    """Send raw bytes to a listener and return everything it sends back until it closes."""
+    host, port = address.rsplit(":", 1)
+    got = bytearray()
+    with anyio.fail_after(timeout):
+        async with await anyio.connect_tcp(host, int(port)) as s:
+            for p in payloads:
+                await s.send(p)
+            try:
+                while True:
+                    got.extend(await s.receive())
+            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                pass
+    return bytes(got)

@@ -19,6 +19,8 @@ from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec
                                        pattern_caches, zero_slots)
 from xavier_async.transports.nixl import NixlTransport  # noqa: E402
 
+from .conftest import raw_exchange  # noqa: E402
+
 pytestmark = pytest.mark.asyncio  # real NIXL processes: asyncio (pytest-asyncio)
 
 SPEC = LayoutSpec(layers=2, num_slots=16, block_shape=(2, 8, 64), dtype="bfloat16")
@@ -84,22 +86,6 @@ def _frame(obj) -> bytes:
     return struct.pack("!I", len(data)) + data
 
 
-async def _record(address: str, payloads: list[bytes]) -> bytes:
-    """Everything a listener sends to a raw TCP client, until it hangs up."""
-    host, port = address.rsplit(":", 1)
-    got = bytearray()
-    with anyio.fail_after(30):
-        async with await anyio.connect_tcp(host, int(port)) as s:
-            for p in payloads:
-                await s.send(p)
-            try:
-                while True:
-                    got.extend(await s.receive())
-            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                pass
-    return bytes(got)
-
-
 GREET = {"xa": "xavier-async-handshake/2", "nonce": "cd" * 32}
 SECRETS = (b"meta", b"recv_ptr", b"layout", b"agent", b"hello", b"rank")
 
@@ -116,7 +102,7 @@ async def test_nothing_about_the_listener_leaves_before_authentication(child):
             [],                                                         # silence
         ]
         for payloads in cases:
-            raw = await _record(child.address, payloads)
+            raw = await raw_exchange(child.address, payloads, timeout=30)
             assert b"error" in raw, raw
             for word in SECRETS:
                 assert word not in raw, (word, raw)
@@ -124,7 +110,8 @@ async def test_nothing_about_the_listener_leaves_before_authentication(child):
         assert await _peers(child) == []
         # control: a listener without a secret does send its hello to the same replay
         with PeerProcess(PeerSpec(rank=2, layout=SPEC, seed=SEED, config=CFG)) as open_child:
-            raw = await _record(open_child.address, [_frame({**GREET, "auth": False}), _frame(hello)])
+            raw = await raw_exchange(open_child.address,
+                                     [_frame({**GREET, "auth": False}), _frame(hello)], timeout=30)
             assert b"meta" in raw and b"recv_ptr" in raw
 
 

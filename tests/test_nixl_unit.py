@@ -21,6 +21,8 @@ from xavier_async.transports.nixl import NixlTransport, _Mapping, _Pending
 
 from .fake_nixl import FakeAgent, FakeFabric
 
+from .conftest import raw_exchange  # noqa: E402
+
 pytestmark = pytest.mark.asyncio  # real NIXL processes: asyncio (pytest-asyncio)
 
 FULL, SMALL = 64 << 10, 4 << 10
@@ -150,22 +152,6 @@ async def test_a_handle_with_a_copy_posted_is_released_only_after_the_copy():
 
 
 # -- refusals ----------------------------------------------------------------------------
-async def raw_exchange(address: str, payloads: list[bytes], timeout: float = 5.0) -> bytes:
-    """Send raw bytes to a listener and return everything it sends back until it closes."""
-    host, port = address.rsplit(":", 1)
-    got = bytearray()
-    with anyio.fail_after(timeout):
-        async with await anyio.connect_tcp(host, int(port)) as s:
-            for p in payloads:
-                await s.send(p)
-            try:
-                while True:
-                    got.extend(await s.receive())
-            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                pass
-    return bytes(got)
-
-
 def frame(obj: Any) -> bytes:
     data = json.dumps(obj).encode()
     return struct.pack("!I", len(data)) + data
