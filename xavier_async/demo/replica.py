@@ -3,9 +3,10 @@
 the runner's slot tensors.
 
 The driver sends it batches of requests over a pipe. Each request is an async task (at
-most ``concurrency`` at once); model forwards run in a worker thread behind a capacity
-limiter of 1 (one device, one forward at a time), so loads of some requests overlap the
-forwards of others. Three request modes:
+most ``concurrency`` at once); model forwards run in ONE dedicated thread (one device, one
+forward at a time, and on CUDA one cuBLAS handle and one stream, so results do not depend
+on which thread ran a call), so loads of some requests overlap the forwards of others.
+Three request modes:
 
 * ``cold``: prefill the prompt's full blocks into slots, **publish** them, decode.
 * ``load``: the driver found ``hits`` (a prefix of block hashes) on peer ``source``:
@@ -17,7 +18,9 @@ forwards of others. Three request modes:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -40,7 +43,7 @@ class Replica:
         self.ep = endpoint
         self.conn = conn
         self.chunk = chunk_tokens
-        self.model_lock = anyio.CapacityLimiter(1)
+        self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
         #: request id -> (tokens, logits) of the recompute path (the reference)
         self.reference: dict[int, tuple[list[int], torch.Tensor]] = {}
         #: block hash -> digest of the bytes this replica computed for it
@@ -55,22 +58,27 @@ class Replica:
         else:
             yield
 
-    async def _model(self, fn: Callable[..., T], *args: Any) -> T:
-        import anyio
-
+    def _submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         def call() -> T:
             with self._on_device():
                 return fn(*args)
-        return await anyio.to_thread.run_sync(call, limiter=self.model_lock)
+        return self._model_thread.submit(call)
+
+    async def _model(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a model call on the model thread; a cancelled caller still waits for it."""
+        import anyio
+        return await anyio.to_thread.run_sync(self._submit(fn, *args).result)
 
     def warm_up(self) -> None:
         """One small prefill + decode, so the first timed request pays no start-up cost."""
         slots = self.runner.kv.alloc(2)
         tokens = list(range(2 * BLOCK + 3))
-        with self._on_device():
+
+        def run() -> None:
             self.runner.prefill_blocks(tokens, slots, self.chunk)
             cache, first = self.runner.first_token(tokens, slots)
             self.runner.decode(cache, first, len(tokens), 2)
+        self._submit(run).result()
         self.runner.kv.release(slots)
 
     # -- one batch of requests ------------------------------------------------------------
@@ -175,6 +183,17 @@ class Replica:
                 "max_abs_ref": float(ref_logits.abs().max())}
 
 
+def deterministic_cuda() -> None:
+    """Make the model's CUDA math reproducible run to run: cuBLAS with a fixed workspace
+    (needed once work may run on more than one stream or handle), deterministic kernels where
+    torch has them, and BF16/FP16 matmuls without reduced-precision reductions. Called
+    before the first cuBLAS call of the process."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+
+
 def replica_main(conn: Connection, spec: dict[str, Any]) -> None:
     """Process entry point (multiprocessing, spawn context)."""
     try:
@@ -187,6 +206,7 @@ def replica_main(conn: Connection, spec: dict[str, Any]) -> None:
         device = torch.device(spec["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            deterministic_cuda()
         shape = ModelShape(**spec["shape"])
         runner = Runner(shape, int(spec["seed"]), device, int(spec["num_slots"]))
     except BaseException as exc:
