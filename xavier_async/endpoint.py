@@ -299,8 +299,9 @@ class Endpoint:
         self._check_open()
         peer = check_int("peer", peer, minimum=0)
         if peer in self._channels:
-            self._peer_lost(peer, PeerLostError(f"rank {self.rank} disconnected from rank {peer}"))
-        await self._disconnect(peer)
+            self._peer_lost(peer, PeerLostError(f"rank {self.rank} disconnected from rank {peer}"),
+                            disconnect=False)
+        await self._disconnect(peer)  # here, not in a task that could outlive a reconnect
 
     def channel(self, peer: int) -> PeerChannel:
         """The channel this endpoint uses to write to ``peer``."""
@@ -332,14 +333,22 @@ class Endpoint:
             cfg.retry, self.metrics.peer(peer), trimmed=cfg.trimmed, trim_align=cfg.trim_align)
         self._peer_hello[peer] = hello
 
-    def _peer_lost(self, peer: int, exc: BaseException) -> None:
+    def _peer_lost(self, peer: int, exc: BaseException, *, disconnect: bool = True) -> None:
+        """Fail what waits on ``peer`` and reset its channel; with ``disconnect``, drop the
+        transport's connection too (in a task: this is called from transport callbacks)."""
         self._requests.fail(exc if isinstance(exc, XavierError) else PeerLostError(str(exc)), peer)
         ch = self._channels.pop(peer, None)
         self._peer_hello.pop(peer, None)
         if ch is not None:
             ch.reset_now()
-        if self._tg is not None and self._state == "open":
-            self._tg.start_soon(self._disconnect, peer)
+        if disconnect and self._tg is not None and self._state == "open":
+            self._tg.start_soon(self._disconnect_lost, peer)
+
+    async def _disconnect_lost(self, peer: int) -> None:
+        """Release a lost peer's connection, unless it has connected again meanwhile (a
+        disconnect by rank would then drop the new connection)."""
+        if peer not in self._channels:
+            await self._disconnect(peer)
 
     async def _disconnect(self, peer: int) -> None:
         with anyio.CancelScope(shield=True):
@@ -426,7 +435,7 @@ class Endpoint:
                     m.load_errors += 1
                     lost = PeerLostError(
                         f"rank {src} did not complete a copy within {self.config.request_timeout} s")
-                    self._peer_lost(src, lost)
+                    self._peer_lost(src, lost, disconnect=False)
                     # cut the source off before the receive slab is reused: its copy
                     # may still be under way
                     await self._disconnect(src)
