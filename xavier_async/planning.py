@@ -288,7 +288,6 @@ class PlannedBatch:
         return f"PlannedBatch(src={self.src}, nbytes={self.nbytes}, segments={len(self.segments)})"
 
 
-_INT_ONLY = frozenset((int,))
 _KEY_TYPES = frozenset((int, str, bytes))
 
 
@@ -333,8 +332,10 @@ class Planner:
                 return None
             # equal is not enough (1 == True == 1.0): every key and slot must also have an
             # exact type, checked in C over all layers at once
-            if not _INT_ONLY.issuperset(map(type, chain.from_iterable(map(dict.values, vals)))) \
-                    or not _KEY_TYPES.issuperset(map(type, chain.from_iterable(vals))):
+            # (one pass over keys and slots: the first layer's are validated below, and a
+            # bool, float or str equal to one of its ints has a type outside this set)
+            if not _KEY_TYPES.issuperset(map(type, chain(chain.from_iterable(vals),
+                                                         chain.from_iterable(map(dict.values, vals))))):
                 return None
             layer_ids = tuple(layers)
         if type(first) is not dict or not first:
