@@ -374,7 +374,7 @@ class Planner:
         if len(set(layer_ids)) != len(layer_ids):
             return None  # pragma: no cover - dict keys are unique
         self.misses += 1
-        dummy = {layer: {i: (i,) for i in range(n)} for layer in layer_ids}
+        dummy: SourcePlan = {layer: {i: (i,) for i in range(n)} for layer in layer_ids}
         shapes = []
         for b in plan_batches(dummy, self.layout, self.full_bytes):
             segs = b.segments

@@ -755,7 +755,7 @@ class NixlTransport(Transport):
             elif monotonic() - self._last_activity < self.hot_window:
                 # nothing yet: give the core to any other runnable process (often our peer,
                 # on a small machine) before polling again
-                if share:
+                if share and sched_yield is not None:
                     sched_yield()
                 await checkpoint()
             else:
