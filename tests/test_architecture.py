@@ -16,8 +16,8 @@ PKG = Path(__file__).resolve().parent.parent / "xavier_async"
 #: module (dotted, relative to the package) -> layer
 LAYERS = {
     "core": ["errors", "_checks", "sizes", "policy", "layout", "planning", "protocol", "retry",
-             "metrics", "diagram"],
-    "shell": ["shielded", "slabs", "packing", "channel", "endpoint", "__init__"],
+             "metrics", "stages", "diagram"],
+    "shell": ["shielded", "slabs", "packing", "_triton_runs", "channel", "endpoint", "__init__"],
     "transports": ["transports"],
     "testing": ["testing"],
     "bench": ["bench"],

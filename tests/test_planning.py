@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -304,3 +306,99 @@ def test_retry_policy_delays_and_validation():
                    {"base_delay": -1}, {"multiplier": -2}, {"max_delay": "1"}):
         with pytest.raises(InvalidRequestError):
             RetryPolicy(**kwargs)
+
+
+# -- the cached planner gives exactly the old planner's batches ---------------------------------
+
+from xavier_async.layout import ALL_LAYERS  # noqa: E402
+from xavier_async.planning import Planner  # noqa: E402
+
+
+def _old(requests, layout, full):
+    return [(src, b) for src, plan in normalize(requests, layout).items()
+            for b in plan_batches(plan, layout, full)]
+
+
+def _same_as_old(planner, requests, layout, full):
+    try:
+        old = _old(requests, layout, full)
+    except InvalidRequestError as exc:
+        with pytest.raises(InvalidRequestError) as new_exc:
+            planner.plan(requests)
+        assert str(new_exc.value) == str(exc)        # the same error, word for word
+        return None
+    new = planner.plan(requests)
+    assert [(b.src, b.batch()) for b in new] == old
+    assert [b.segments for b in new] == [b.segments for _, b in old]
+    assert [b.wire() for b in new] == [b.wire() for _, b in old]
+    assert [(b.nbytes, b.useful_bytes) for b in new] == [(b.nbytes, b.useful_bytes) for _, b in old]
+    assert [b.blocks for b in new] == [sum(len(s.keys) for s in b.segments) for _, b in old]
+    return new
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_cached_planner_equals_old_planner(data):
+    nlayers = data.draw(st.integers(1, 5), label="layers")
+    layout = CacheLayout.of({i: torch.zeros((16, *data.draw(st.lists(st.integers(1, 6), min_size=1,
+                                                                       max_size=2))),
+                                            dtype=data.draw(st.sampled_from(DTYPES)))
+                             for i in range(nlayers)})
+    biggest = max(spec.block_nbytes for spec in layout.layers.values())
+    full = data.draw(st.integers(max(1, biggest - 8), 4 * biggest * 16), label="full")
+    planner = Planner(layout, full, cache_size=data.draw(st.sampled_from([1, 256])))
+    keys = data.draw(st.lists(st.one_of(st.integers(0, 40), st.text(max_size=3), st.binary(max_size=2)),
+                              unique=True, min_size=1, max_size=12), label="keys")
+    slots = data.draw(st.lists(st.integers(-1, 17), min_size=len(keys), max_size=len(keys)), label="slots")
+    blocks = dict(zip(keys, slots))
+    form = data.draw(st.sampled_from(["all", "explicit", "subset", "mixed", "two_sources", "list"]))
+    layers = list(range(nlayers))
+    if form == "all":
+        req: Any = {3: {ALL_LAYERS: blocks}}
+    elif form == "explicit":
+        req = {3: {layer: dict(blocks) for layer in layers}}
+    elif form == "subset":
+        chosen = data.draw(st.lists(st.sampled_from(layers + [99]), unique=True, min_size=1))
+        req = {3: {layer: dict(blocks) for layer in chosen}}
+    elif form == "mixed":  # layers differ: the general path
+        req = {3: {layer: dict(list(blocks.items())[: 1 + layer]) for layer in layers}}
+    elif form == "two_sources":
+        req = {3: {0: dict(blocks)}, 4: {0: {k: s + 1 for k, s in blocks.items()}}}
+    else:
+        req = [{3: {ALL_LAYERS: blocks}}]
+    for _ in range(2):  # a miss, then a cache hit: same answer
+        _same_as_old(planner, req, layout, full)
+
+
+def test_cached_planner_reuses_shapes_and_stays_bounded():
+    layout = CacheLayout.of({i: torch.zeros(64, 8) for i in range(24)})
+    planner = Planner(layout, 1 << 20, cache_size=4)
+    for slot in range(10):
+        (b,) = planner.plan({1: {layer: {f"h{slot}": slot} for layer in range(24)}})
+        assert b.shape is not None and b.keys == (f"h{slot}",) and b.slots == (slot,)
+        assert b.wire()[0] == [0, [f"h{slot}"]] and b.wire()[1:] == [[layer, 0] for layer in range(1, 24)]
+    assert (planner.misses, planner.hits) == (1, 9)
+    for n in range(1, 10):  # more shapes than the cache holds: oldest evicted
+        planner.plan({1: {ALL_LAYERS: {k: k for k in range(n)}}})
+    assert len(planner._shapes) == 4
+
+
+@pytest.mark.parametrize("req", [
+    {1: {0: {"a": 0, "b": 0}}},                  # conflict
+    {1: {0: {"a": 99}}},                         # out of range
+    {1: {0: {"a": 1.0}}},                        # not an int
+    {1: {ALL_LAYERS: {"a": -1}}},
+    {1: {"0": {"a": 0}}},                        # unknown layer
+    {True: {0: {"a": 0}}},
+    {1: {0: {(1,): 0}}},
+    {1: {0: {"a": 1}, 1: {"a": True}}},          # equal to the first layer's, but a bool
+    {1: {0: {"a": 1}, 1: {"a": 1.0}}},
+    {1: {0: {1: 1}, 1: {True: 1}}},              # a bool key equal to 1
+    {1: {0: {1: 1}, 1: {1.0: 1}}},
+])
+def test_cached_planner_rejects_what_the_old_one_rejects(req):
+    with pytest.raises(InvalidRequestError) as old:
+        _old(req, LAYOUT, 1024)
+    with pytest.raises(InvalidRequestError) as new:
+        Planner(LAYOUT, 1024).plan(req)
+    assert str(new.value) == str(old.value)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .stages import LoadStages
+
 
 @dataclass
 class PeerMetrics:
@@ -43,6 +45,8 @@ class EndpointMetrics:
     memory_registrations: int = 0
     loads: int = 0
     peers: dict[int, PeerMetrics] = field(default_factory=dict)
+    #: per-stage timing histograms of loads (receiver side) and served requests (source)
+    stages: LoadStages = field(default_factory=LoadStages)
 
     def peer(self, rank: int) -> PeerMetrics:
         """The counters for ``rank``, created on first use."""
@@ -65,11 +69,13 @@ class EndpointMetrics:
         return self.memory_registrations + self.total().registrations
 
     def as_dict(self) -> dict[str, Any]:
-        """Everything as plain dicts: endpoint counters, the per-peer sum, each peer."""
+        """Everything as plain dicts: endpoint counters, the per-peer sum, each peer, and
+        the per-stage timings (:meth:`LoadStages.as_dict`)."""
         return {
             "memory_registrations": self.memory_registrations,
             "registrations": self.registrations,
             "loads": self.loads,
             "total": self.total().as_dict(),
             "peers": {rank: m.as_dict() for rank, m in sorted(self.peers.items())},
+            "stages": self.stages.as_dict(),
         }

@@ -169,3 +169,214 @@ def scatter(slab: SlabRows, segments: Sequence[Segment], rows: ByteRows,
         return event
     _sync(dev)
     return None
+
+
+# -- run tables: one pass of memmoves (CPU) or one fused launch (CUDA) ------------------------
+
+class CacheTable:
+    """The caches' per-layer base address and block size, made once per endpoint (the
+    caches are fixed for its lifetime)."""
+
+    __slots__ = ("rows", "base", "bn", "device")
+
+    def __init__(self, rows: ByteRows) -> None:
+        self.rows = rows
+        self.base = {layer: t.data_ptr() for layer, t in rows.items()}
+        self.bn = {layer: t.shape[1] for layer, t in rows.items()}
+        first = next(iter(rows.values()))
+        self.device = first.device
+
+
+#: a run table: three parallel lists, ``dst[i] <- src[i]`` for ``n[i]`` bytes (addresses)
+RunTable = tuple[list[int], list[int], list[int]]
+
+
+def _slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``[(first row, first slot, length)]``: consecutive rows to consecutive slots."""
+    out: list[tuple[int, int, int]] = []
+    row0 = slot0 = -2
+    n = 0
+    for row, slot in enumerate(slots):
+        if slot == slot0 + n and n:
+            n += 1
+        else:
+            if n:
+                out.append((row0, slot0, n))
+            row0, slot0, n = row, slot, 1
+    if n:
+        out.append((row0, slot0, n))
+    return out
+
+
+def unpack_table(slab_ptr: int, batch: Any, caches: CacheTable) -> RunTable:
+    """Receiver: the runs copying a batch (a :class:`~xavier_async.planning.PlannedBatch`
+    or anything with ``segments``) from the slab at ``slab_ptr`` into its slots."""
+    dst: list[int] = []
+    src: list[int] = []
+    ns: list[int] = []
+    base = caches.base
+    shape = getattr(batch, "shape", None)
+    if shape is not None:  # uniform: one slot per key, the same slots in every layer
+        slots = batch.slots
+        if len(slots) == 1:  # one block hash: one run per layer
+            slot = slots[0]
+            for layer, o, bn in zip(shape.layers, shape.offsets, shape.block_nbytes):
+                dst.append(base[layer] + slot * bn)
+                src.append(slab_ptr + o)
+                ns.append(bn)
+            return dst, src, ns
+        runs_of: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for layer, s, c, o, bn in zip(shape.layers, shape.starts, shape.counts, shape.offsets,
+                                      shape.block_nbytes):
+            rs = runs_of.get((s, c))
+            if rs is None:
+                rs = runs_of[(s, c)] = _slot_runs(slots[s:s + c])
+            b, p = base[layer], slab_ptr + o
+            for row, slot, n in rs:
+                dst.append(b + slot * bn)
+                src.append(p + row * bn)
+                ns.append(n * bn)
+        return dst, src, ns
+    for seg in batch.segments:
+        b, p, bn = base[seg.layer], slab_ptr + seg.offset, seg.block_nbytes
+        primary = [s[0] for s in seg.slots]
+        for row, slot, n in _slot_runs(primary):
+            dst.append(b + slot * bn)
+            src.append(p + row * bn)
+            ns.append(n * bn)
+        for row, slots in enumerate(seg.slots):  # a key feeding several slots
+            for slot in slots[1:]:
+                dst.append(b + slot * bn)
+                src.append(p + row * bn)
+                ns.append(bn)
+    return dst, src, ns
+
+
+def pack_table(slab_ptr: int, segments: Sequence[Segment], slot_lists: Sequence[Sequence[int]],
+               caches: CacheTable) -> RunTable:
+    """Source: the runs copying each segment's blocks (source slots ``slot_lists``) from
+    the caches into the slab at ``slab_ptr``."""
+    dst: list[int] = []
+    src: list[int] = []
+    ns: list[int] = []
+    base = caches.base
+    prev: Sequence[int] | None = None
+    rs: list[tuple[int, int, int]] = []
+    for seg, slots in zip(segments, slot_lists):
+        bn = seg.block_nbytes
+        if slots != prev:
+            rs = _slot_runs(slots)
+            prev = slots
+        b, p = base[seg.layer], slab_ptr + seg.offset
+        if len(rs) == 1:
+            row, slot, n = rs[0]
+            dst.append(p + row * bn)
+            src.append(b + slot * bn)
+            ns.append(n * bn)
+            continue
+        for row, slot, n in rs:
+            dst.append(p + row * bn)
+            src.append(b + slot * bn)
+            ns.append(n * bn)
+    return dst, src, ns
+
+
+def run_host(table: RunTable) -> None:
+    """Execute a run table on host memory: one pass of ``memmove``."""
+    mm = _memmove
+    for d, s, n in zip(*table):
+        mm(d, s, n)
+
+
+class DeviceRuns:
+    """Executes run tables on one CUDA device: one fused launch per table (a Triton kernel
+    over a device-resident ``[runs, 3]`` table of addresses, each program copying one
+    chunk), on a private stream, and returns an event recorded after it. Nothing here
+    synchronizes the device or any stream: callers wait on the event (the source, before
+    posting the WRITE) or make a stream wait on it (the receiver, stream-ordered)."""
+
+    #: bytes per program (runs longer than this are split)
+    CHUNK = 64 * 1024
+
+    def __init__(self, device: torch.device, stream: Any | None = None) -> None:
+        from . import _triton_runs  # noqa: F401 - fail here, at construction, if unusable
+        self.device = device
+        self.stream = stream
+        self._host: torch.Tensor | None = None
+        self._dev: torch.Tensor | None = None
+        self._staged: Any | None = None
+
+    def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._host is None or self._host.shape[0] < rows:
+            cap = max(256, 1 << (rows - 1).bit_length())
+            pin = self.device.type == "cuda"
+            self._host = torch.empty((cap, 3), dtype=torch.int64, pin_memory=pin)
+            self._dev = torch.empty((cap, 3), dtype=torch.int64, device=self.device)
+        assert self._dev is not None
+        return self._host, self._dev
+
+    def run(self, table: RunTable) -> Any:
+        """Launch the copy; returns the event recorded after it (None on the CPU)."""
+        from ._triton_runs import launch
+        chunk = self.CHUNK
+        dst, src, ns = table
+        rows: list[tuple[int, int, int]] = []
+        for d, s, n in zip(dst, src, ns):
+            off = 0
+            while off < n:
+                m = min(chunk, n - off)
+                rows.append((s + off, d + off, m))
+                off += m
+        if not rows:
+            return None
+        if self._staged is not None:  # the staging buffer's last upload has been read
+            self._staged.synchronize()
+        host, dev = self._buffers(len(rows))
+        host[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        cuda = self.device.type == "cuda"
+        stream = (self.stream or torch.cuda.current_stream(self.device)) if cuda else None
+        if cuda:
+            with torch.cuda.stream(stream):
+                dev[: len(rows)].copy_(host[: len(rows)], non_blocking=True)
+                launch(dev, len(rows), rows, chunk)
+                event = torch.cuda.Event()
+                event.record(stream)
+            self._staged = event
+            return event
+        dev[: len(rows)].copy_(host[: len(rows)])
+        launch(dev, len(rows), rows, chunk)
+        return None
+
+
+def pack(slab: SlabRows, segments: Sequence[Segment], slot_lists: Sequence[Sequence[int]],
+         caches: CacheTable, device_runs: DeviceRuns | None = None) -> Any:
+    """Source side, one pass: copy the blocks into the slab. On the CPU, memmoves from a
+    run table (any scatter); on CUDA with ``device_runs``, one fused launch whose event is
+    returned (wait on it before posting the WRITE); on CUDA without, the tensor path
+    (:func:`gather`), synchronized."""
+    if slab.device.type == "cpu" and HOST_MEMMOVE and device_runs is None:
+        run_host(pack_table(slab.ptr, segments, slot_lists, caches))
+        return None
+    if device_runs is not None:
+        return device_runs.run(pack_table(slab.ptr, segments, slot_lists, caches))
+    gather(slab, segments, slot_lists, caches.rows)
+    return None
+
+
+def unpack(slab: SlabRows, batch: Any, caches: CacheTable,
+           device_runs: DeviceRuns | None = None, wait: bool = True) -> Any:
+    """Receiver side, one pass: copy a batch from the slab into its slots (see
+    :func:`pack`). On CUDA with ``device_runs`` and ``wait=False`` the returned event must
+    complete before the slab is written again, and work that reads the slots must wait on
+    it (``torch.cuda.current_stream().wait_event(event)``); with ``wait=True`` only that
+    event is waited for."""
+    if slab.device.type == "cpu" and HOST_MEMMOVE and device_runs is None:
+        run_host(unpack_table(slab.ptr, batch, caches))
+        return None
+    if device_runs is not None:
+        event = device_runs.run(unpack_table(slab.ptr, batch, caches))
+        if event is not None and wait:
+            event.synchronize()
+            return None
+        return event
+    return scatter(slab, batch.segments, caches.rows, wait=wait)

@@ -12,6 +12,7 @@ from the same layout, so only the keys cross the wire.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 from typing import Any, NamedTuple, Union
 
 from .errors import InvalidRequestError
@@ -197,3 +198,204 @@ def segments_from_wire(wire: Sequence[Any], layout: CacheLayout) -> tuple[list[S
         specs.append((layer, tuple(keys), spec.block_nbytes))
     offsets, end = segment_offsets((bn, len(keys)) for _, keys, bn in specs)
     return [Segment(layer, keys, o, bn) for (layer, keys, bn), o in zip(specs, offsets)], end
+
+
+# -- the cached planner -----------------------------------------------------------------------
+
+class BatchShape(NamedTuple):
+    """Where each segment of one batch comes from, for a request shape (made once, cached).
+
+    Segment ``i`` is layer ``layers[i]``, key indices ``starts[i] .. starts[i] + counts[i]``
+    of that layer's keys, at slab ``offsets[i]``."""
+
+    layers: tuple[LayerId, ...]
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    offsets: tuple[int, ...]
+    block_nbytes: tuple[int, ...]
+    nbytes: int
+    useful: int
+    #: ``Batch.wire()`` with every segment that repeats the previous keys already ``[layer, 0]``
+    #: and the others ``None`` (filled per request)
+    wire_template: tuple[Any, ...]
+    #: segment indices whose keys must be filled in the wire
+    fresh: tuple[int, ...]
+
+
+class PlannedBatch:
+    """One batch of a planned load: what :class:`Batch` says, made without per-layer Python
+    when the request is uniform (the same ``{key: slot}`` in every layer).
+
+    ``keys``/``slots`` are the (uniform) key list and its single destination slot each;
+    ``shape`` says which of them each segment takes. For other requests ``shape`` is None
+    and :attr:`segments` comes from :func:`plan_batches`."""
+
+    __slots__ = ("src", "shape", "keys", "slots", "nbytes", "_segments")
+
+    def __init__(self, src: int, shape: BatchShape | None, keys: tuple[BlockKey, ...],
+                 slots: tuple[int, ...], nbytes: int,
+                 segments: tuple[Segment, ...] | None = None) -> None:
+        self.src, self.shape, self.keys, self.slots, self.nbytes = src, shape, keys, slots, nbytes
+        self._segments = segments
+
+    @classmethod
+    def of(cls, src: int, batch: Batch) -> PlannedBatch:
+        return cls(src, None, (), (), batch.nbytes, batch.segments)
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The segments as :class:`Segment` tuples (built on first use)."""
+        segs = self._segments
+        if segs is None:
+            sh = self.shape
+            assert sh is not None
+            keys, slots = self.keys, self.slots
+            segs = self._segments = tuple(
+                Segment(layer, keys[s:s + c], o, bn, tuple((x,) for x in slots[s:s + c]))
+                for layer, s, c, o, bn in zip(sh.layers, sh.starts, sh.counts, sh.offsets,
+                                              sh.block_nbytes))
+        return segs
+
+    @property
+    def useful_bytes(self) -> int:
+        if self.shape is not None:
+            return self.shape.useful
+        return sum(s.nbytes for s in self.segments)
+
+    @property
+    def blocks(self) -> int:
+        """Block copies the batch carries (keys over all its segments)."""
+        if self.shape is not None:
+            return sum(self.shape.counts)
+        return sum(len(s.keys) for s in self.segments)
+
+    def batch(self) -> Batch:
+        return Batch(self.segments, self.nbytes)
+
+    def wire(self) -> list[Any]:
+        """Exactly :meth:`Batch.wire` of this batch."""
+        sh = self.shape
+        if sh is None:
+            return Batch(self.segments, self.nbytes).wire()
+        out = list(sh.wire_template)
+        keys = self.keys
+        for i in sh.fresh:
+            s = sh.starts[i]
+            out[i] = [sh.layers[i], list(keys[s:s + sh.counts[i]])]
+        return out
+
+    def __repr__(self) -> str:
+        return f"PlannedBatch(src={self.src}, nbytes={self.nbytes}, segments={len(self.segments)})"
+
+
+_KEY_TYPES = frozenset((int, str, bytes))
+
+
+class Planner:
+    """Plans loads for one layout and slab size. A uniform request, one source with the
+    same ``{key: slot}`` for every layer it names (or :data:`ALL_LAYERS`), is planned from
+    a cached :class:`BatchShape` per (layers, number of keys): its cost does not grow with
+    the layer count beyond one C-level comparison per layer. Anything else goes through
+    :func:`normalize` and :func:`plan_batches`. Both give exactly the same batches, and the
+    same errors, before any byte moves."""
+
+    def __init__(self, layout: CacheLayout, full_bytes: int, cache_size: int = 256) -> None:
+        self.layout = layout
+        self.full_bytes = full_bytes
+        self.cache_size = cache_size
+        self._all = tuple(layout.layers)
+        self._shapes: dict[tuple[tuple[Any, ...], int], tuple[tuple[BatchShape, ...], int]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def plan(self, requests: LoadRequest | Iterable[LoadRequest]) -> list[PlannedBatch]:
+        """Validate and plan; batches in source order, each source's in request order."""
+        if type(requests) is dict and len(requests) == 1:
+            for src, layers in requests.items():
+                fast = self._uniform(src, layers)
+                if fast is not None:
+                    return fast
+        plans = normalize(requests, self.layout)
+        return [PlannedBatch.of(src, b) for src, plan in plans.items()
+                for b in plan_batches(plan, self.layout, self.full_bytes)]
+
+    def _uniform(self, src: Any, layers: Any) -> list[PlannedBatch] | None:
+        if type(src) is not int or src < 0 or type(layers) is not dict or not layers:
+            return None
+        if len(layers) == 1 and ALL_LAYERS in layers:
+            layer_ids: tuple[Any, ...] = self._all
+            first = layers[ALL_LAYERS]
+        else:
+            vals = list(layers.values())
+            first = vals[0]
+            if type(first) is not dict or vals.count(first) != len(vals):
+                return None
+            # equal is not enough (1 == True == 1.0): every key and slot must also have an
+            # exact type, checked in C over all layers at once
+            # (one pass over keys and slots: the first layer's are validated below, and a
+            # bool, float or str equal to one of its ints has a type outside this set)
+            if not _KEY_TYPES.issuperset(map(type, chain(chain.from_iterable(vals),
+                                                         chain.from_iterable(map(dict.values, vals))))):
+                return None
+            layer_ids = tuple(layers)
+        if type(first) is not dict or not first:
+            return None
+        keys = tuple(first)
+        slots = tuple(first.values())
+        n = len(keys)
+        hit = self._shapes.get((layer_ids, n))
+        if hit is None:
+            hit = self._make_shapes(layer_ids, n)
+            if hit is None:
+                return None
+        else:
+            self.hits += 1
+        shapes, nslots = hit
+        for k in keys:
+            tk = type(k)
+            if tk is not int and tk is not str and tk is not bytes:
+                return None
+        for s in slots:
+            if type(s) is not int or not 0 <= s < nslots:
+                return None
+        if n > 1 and len(set(slots)) != n:
+            return None  # two keys aimed at one slot: the general path names the conflict
+        return [PlannedBatch(src, sh, keys, slots, sh.nbytes) for sh in shapes]
+
+    def _make_shapes(self, layer_ids: tuple[Any, ...], n: int,
+                     ) -> tuple[tuple[BatchShape, ...], int] | None:
+        specs = self.layout.layers
+        for layer in layer_ids:
+            if layer is ALL_LAYERS or isinstance(layer, bool) or not isinstance(layer, (int, str)) \
+                    or layer not in specs:
+                return None  # the general path raises the right error
+            if specs[layer].block_nbytes > self.full_bytes:
+                return None
+        if len(set(layer_ids)) != len(layer_ids):
+            return None  # pragma: no cover - dict keys are unique
+        self.misses += 1
+        dummy: SourcePlan = {layer: {i: (i,) for i in range(n)} for layer in layer_ids}
+        shapes = []
+        for b in plan_batches(dummy, self.layout, self.full_bytes):
+            segs = b.segments
+            template: list[Any] = []
+            fresh: list[int] = []
+            prev: tuple[Any, ...] | None = None
+            for i, s in enumerate(segs):
+                if s.keys == prev:
+                    template.append([s.layer, 0])
+                else:
+                    template.append(None)
+                    fresh.append(i)
+                prev = s.keys
+            shapes.append(BatchShape(
+                tuple(s.layer for s in segs), tuple(int(s.keys[0]) for s in segs),
+                tuple(len(s.keys) for s in segs), tuple(s.offset for s in segs),
+                tuple(s.block_nbytes for s in segs), b.nbytes, b.useful_bytes,
+                tuple(template), tuple(fresh)))
+        nslots = min(specs[layer].num_slots for layer in layer_ids)
+        if len(self._shapes) >= self.cache_size:
+            self._shapes.pop(next(iter(self._shapes)))  # oldest first
+        entry = (tuple(shapes), nslots)
+        self._shapes[(layer_ids, n)] = entry
+        return entry

@@ -57,8 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--alloc-copies", type=_positive, default=10_000,
                    help="copies for the memory-growth check")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--no-pin", action="store_true",
-                   help="do not pin the two processes to separate physical cores")
+    pin = b.add_mutually_exclusive_group()
+    pin.add_argument("--pin", dest="pin", action="store_const", const=True, default=None,
+                     help="pin the two processes to separate physical cores (default: on the "
+                          "CPU only; >= 4 cores)")
+    pin.add_argument("--no-pin", dest="pin", action="store_const", const=False,
+                     help="do not pin (the default on CUDA machines)")
     b.add_argument("--quick", action="store_true", help="small counts (CI); same sections")
     b.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the environment")
     b.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG (needs matplotlib)")
@@ -114,7 +118,7 @@ def _bench(args: argparse.Namespace) -> int:
                             small_bytes=args.small, copies=args.copies, loads=args.loads,
                             trace_batches=args.trace_batches, trace_large=args.trace_large,
                             alloc_copies=args.alloc_copies, seed=args.seed, quick=args.quick,
-                            pin_cpus=not args.no_pin, compare=args.compare)
+                            pin_cpus=args.pin, compare=args.compare)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2
@@ -126,8 +130,8 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
 
     console = _console()
-    sections = ["floor", "seed cases", "end-to-end loads", "trace replay", "decision cost",
-                "memory growth"] + (["xoscar compare"] if opts.compare else [])
+    sections = ["floor", "seed cases", "end-to-end loads", "trace replay", "trace as loads",
+                "decision cost", "memory growth"] + (["xoscar compare"] if opts.compare else [])
     if console is not None:
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -187,6 +191,12 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
                    f"{v['median_us']:.1f}", f"{v['p95_us']:.1f}", f"{v['total_ms']:.1f}",
                    f"{v['ratio_total_to_floor']:.2f}x", "yes" if v["bytes_verified"] else "NO"]
                   for k, v in tr.items() if isinstance(v, dict)]
+    tl = r.get("trace_loads")
+    if tl is not None:
+        trace_rows.append(["as loads", f"{tl['wire_over_useful']:.3f}", str(tl["registrations_after_warmup"]),
+                           f"{tl['median_us']:.1f}", f"{tl['p95_us']:.1f}", f"{tl['total_ms']:.1f}",
+                           f"{tl['ratio_total_to_floor']:.2f}x (floor {tl['floor_ms']:.1f} ms)",
+                           f"yes ({tl['slots_checked']} slots)" if tl["bytes_verified"] else "NO"])
     target_rows = [[k, f"{v['value']:.3g}", f"<= {v['limit']:.3g}", "met" if v["met"] else "MISSED"]
                    for k, v in r["targets"].items()]
     tables = [
@@ -205,10 +215,47 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
          f"over {r['memory']['copies']} copies: host {r['memory']['rss_growth_bytes']} B, device "
          f"{r['memory']['device_growth_bytes']} B", target_rows, ["target", "value", "limit", ""]),
     ]
+    small_floor = fl["small"]["median_us"]
+    stage_table = _stage_rows(e2e, tl, small_floor)
+    if stage_table is not None:
+        tables.insert(3, stage_table)
+    else:
+        tables.insert(3, ("Per-stage breakdown", [["not recorded: this engine's snapshot_metrics() "
+                                                   "has no stage timings yet"]], ["stages"]))
+    plan = r.get("plan")
+    if plan is not None:
+        tables.insert(4, ("Planning one block hash x all layers (validate + batches), median",
+                          [[f"one hash x {plan['layers']} layers", f"{plan['cached_us']:.2f}",
+                            f"{plan['reference_us']:.2f}",
+                            f"{plan['reference_us'] / max(plan['cached_us'], 1e-9):.1f}x"]],
+                          ["request", "cached planner us", "normalize + plan_batches us", "speedup"]))
     xo = r.get("compare", {}).get("xoscar")
     if xo is not None:
         tables.append(_compare_rows(sc, xo))
     return tables
+
+
+def _stage_rows(e2e: dict[str, Any], tl: dict[str, Any] | None, small_floor: float,
+                ) -> tuple[str, list[list[str]], list[str]] | None:
+    """Per-stage p50 (and p99) per load kind, and as a ratio to the small-copy floor."""
+    cases = {k: v["stages"] for k, v in e2e.items() if v.get("stages")}
+    if tl is not None and tl.get("stages"):
+        cases["trace as loads"] = tl["stages"]
+    if not cases:
+        return None
+    names: list[str] = []
+    for st in cases.values():
+        names.extend(n for n in st if n not in names)
+    rows = []
+    for n in names:
+        row = [n]
+        for st in cases.values():
+            x = st.get(n)
+            row.append("-" if x is None else
+                       f"{x['p50_us']:.1f} / {x['p99_us']:.1f} ({x['p50_us'] / small_floor:.2f}x)")
+        rows.append(row)
+    return (f"Per-stage breakdown per load kind: p50 / p99 us (p50 / raw small-copy floor, "
+            f"{small_floor:.1f} us)", rows, ["stage", *cases])
 
 
 def _compare_rows(sc: dict[str, Any], xo: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
@@ -263,7 +310,9 @@ def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sc, fl, tr = r["seed_cases"], r["floor"], r["trace"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    staged = {k: v["stages"] for k, v in r["e2e_loads"].items() if v.get("stages")}
+    fig, axes = plt.subplots(1, 3 if staged else 2, figsize=(19 if staged else 13, 5))
+    ax1, ax2 = axes[0], axes[1]
     names = ["floor full", "floor small", "always full", "alt. size-only", "alt. streak",
              "sustained small"]
     med = [fl["full"]["median_us"], fl["small"]["median_us"]] + [
@@ -298,10 +347,38 @@ def plot(r: dict[str, Any], path: Path) -> None:
     ax2.set_ylabel("MB")
     ax2.set_title(f"Trace replay: {tr['batches']} batches, wire vs useful bytes")
     ax2.legend()
+    if staged:
+        _stacked_stages(axes[2], staged, fl["small"]["median_us"])
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+
+def _stacked_stages(ax: Any, staged: dict[str, dict[str, Any]], small_floor: float) -> None:
+    """One stacked bar per load kind: receiver stages (plan, post, wait, unpack) by p50,
+    the source's stages drawn inside 'wait' as a second bar next to it."""
+    kinds = list(staged)
+    x = list(range(len(kinds)))
+    bottoms = [0.0] * len(kinds)
+    colors = {"plan": "#1f77b4", "post": "#ff7f0e", "wait": "#bbbbbb", "unpack": "#2ca02c",
+              "queue": "#9467bd", "lookup": "#8c564b", "pack": "#e377c2", "post_to_done": "#7f7f7f"}
+    for side, stages, dx in (("receiver", ("plan", "post", "wait", "unpack"), -0.2),
+                             ("source", ("queue", "lookup", "pack", "post_to_done"), 0.2)):
+        bottoms = [0.0] * len(kinds)
+        for st in stages:
+            vals = [staged[k].get(f"{side}.{st}", {}).get("p50_us", 0.0) for k in kinds]
+            if not any(vals):
+                continue
+            ax.bar([i + dx for i in x], vals, width=0.38, bottom=bottoms, color=colors[st],
+                   label=f"{side} {st}")
+            bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax.axhline(small_floor, color="black", linestyle="--", linewidth=1, label="raw small-copy floor")
+    ax.set_xticks(x, kinds)
+    ax.set_ylabel("p50 per stage (us)")
+    ax.set_title("Where a load's time goes (left: receiver, right: source)")
+    ax.legend(fontsize=7)
 
 
 if __name__ == "__main__":

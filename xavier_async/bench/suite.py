@@ -10,8 +10,11 @@ the default) or in this process (``--transport local``). Sections:
 * the seed's four channel cases (always full, alternating under size-only selection,
   alternating under the streak machine, sustained small);
 * end-to-end loads (request, pack, write, unpack, acknowledge), small and large;
-* a seeded replay of a serving trace shaped like the seed's deployment, padded under
-  size-only selection, padded under the streak machine, and trimmed;
+* a seeded replay of a serving trace shaped like the seed's deployment, as bare channel
+  copies (padded under size-only selection, padded under the streak machine, trimmed) and
+  as real loads (block keys, layers and destination slots, bytes checked at the end);
+* the per-stage breakdown of each load (receiver and source stage histograms, when the
+  engine records them) and the cost of planning one block hash x all layers;
 * the state-machine decision cost and memory growth over many copies.
 
 Times are medians (and p95) of per-operation wall time; every comparison is a ratio.
@@ -67,8 +70,9 @@ class BenchOptions:
     seed: int = 0
     quick: bool = False
     progress: bool = True
-    #: pin this process and the peer to two different physical cores (>= 4 cores only)
-    pin_cpus: bool = True
+    #: pin this process and the peer to two different physical cores (>= 4 cores only);
+    #: None: only on the CPU (pinned next to CUDA's and UCX's threads, a GPU run halves)
+    pin_cpus: bool | None = None
     #: also run the seed's four cases through an anchor (``"xoscar"``: xoscar's copy_to
     #: over NIXL, two processes; needs ``pip install 'xavier-async[xoscar]'``)
     compare: str | None = None
@@ -92,6 +96,10 @@ class BenchOptions:
             self.copies, self.warmup, self.loads = min(self.copies, 60), min(self.warmup, 10), min(self.loads, 40)
             self.trace_batches, self.trace_large = min(self.trace_batches, 126), min(self.trace_large, 5)
             self.alloc_copies = min(self.alloc_copies, 1000)
+
+    def resolved_pin(self) -> bool:
+        """Whether to pin: as asked, else only when the run is on the CPU."""
+        return self.pin_cpus if self.pin_cpus is not None else self.resolved_device() == "cpu"
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -285,12 +293,14 @@ async def e2e_loads(rig: Rig, o: BenchOptions, seed_res: dict[str, Any]) -> dict
         verified = check_loaded(ep.caches, req, expected) > 0
         for _ in range(min(o.warmup, 5)):
             await ep.load(req)
+        stages0 = await _stages(rig)
         times = []
         perf = time.perf_counter
         for _ in range(max(5, o.loads // 4) if name == "large" else o.loads):
             t = perf()
             await ep.load(req)
             times.append(perf() - t)
+        stages = _stages_since(stages0, await _stages(rig))
         zero_slots(ep.caches, req)
         await ep.load(req)
         verified = verified and check_loaded(ep.caches, req, expected) > 0
@@ -298,8 +308,68 @@ async def e2e_loads(rig: Rig, o: BenchOptions, seed_res: dict[str, Any]) -> dict
         ref = seed_res["always_full" if name == "large" else "sustained_small"]["median_us"]
         st = stats(times)
         out[name] = {**st, "payload_bytes": payload, "channel_copy_median_us": ref,
-                     "ratio_to_channel_copy": st["median_us"] / ref, "bytes_verified": verified}
+                     "ratio_to_channel_copy": st["median_us"] / ref, "bytes_verified": verified,
+                     "stages": stages}
     return out
+
+
+async def _stages(rig: Rig) -> tuple[Any, Any] | None:
+    """Both endpoints' stage histograms (receiver: here; source: the peer), or None while
+    the engine does not record them."""
+    here = rig.ep.snapshot_metrics().get("stages")
+    there = (await rig.peer_metrics()).get("stages")
+    if here is None or there is None:
+        return None
+    from ..stages import LoadStages
+    return LoadStages.from_dict(here), LoadStages.from_dict(there)
+
+
+def _stages_since(before: tuple[Any, Any] | None, after: tuple[Any, Any] | None,
+                  ) -> dict[str, dict[str, float]] | None:
+    """Per stage, p50/p99/mean (us) of what was recorded in between: receiver stages from
+    this endpoint, source stages from the peer. None when nothing was recorded."""
+    if before is None or after is None:
+        return None
+    from ..stages import RECEIVER_STAGES, SOURCE_STAGES
+    here, there = after[0].minus(before[0]), after[1].minus(before[1])
+    out: dict[str, dict[str, float]] = {}
+    for side, names, st in (("receiver", RECEIVER_STAGES, here), ("source", SOURCE_STAGES, there)):
+        for name in names:
+            h = st[name]
+            if h.n:
+                out[f"{side}.{name}"] = {"n": h.n, "p50_us": h.p50_us, "p99_us": h.p99_us,
+                                         "mean_us": h.mean_us}
+    return out or None
+
+
+def plan_cost(layout: LayoutSpec, full_bytes: int, n: int = 3000) -> dict[str, float]:
+    """Median cost of planning one block hash x all layers (validate + batches), with the
+    cached planner and with the reference path it replaces (normalize + plan_batches)."""
+    from ..layout import CacheLayout
+    from ..planning import Planner, normalize, plan_batches
+    caches = {layer: torch.empty((layout.num_slots, *layout.block_shape), dtype=torch.bfloat16,
+                                 device="meta") for layer in range(layout.layers)}
+    lay = CacheLayout.of(caches)
+    planner = Planner(lay, full_bytes)
+    perf = time.perf_counter_ns
+
+    def med(fn: Callable[[int], Any]) -> float:
+        for i in range(50):
+            fn(i)
+        ts = []
+        for i in range(n):
+            t = perf()
+            fn(i)
+            ts.append(perf() - t)
+        return statistics.median(ts) / 1e3
+
+    slots = layout.num_slots
+    def req(i: int) -> dict:  # a new block hash each time, as a serving stack asks
+        return {PEER: {layer: {1000 + i: i % slots} for layer in range(layout.layers)}}
+    reqs = [req(i) for i in range(n + 50)]
+    cached = med(lambda i: planner.plan(reqs[i]))
+    reference = med(lambda i: [plan_batches(p, lay, full_bytes) for p in normalize(reqs[i], lay).values()])
+    return {"cached_us": cached, "reference_us": reference, "layers": layout.layers}
 
 
 async def trace_replay(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -334,6 +404,62 @@ async def trace_replay(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, fl
         out[name]["ratio_total_to_floor"] = out[name]["total_ms"] / out["floor_ms"]
     tune_channel(ep, PEER, streak=2, trimmed=False)
     return out
+
+
+async def trace_loads(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The serving trace replayed as :meth:`Endpoint.load` calls: each batch asks the peer
+    for block hashes (its published slots) into destination slots of ours, the layers a
+    serving stack would name; the bytes of every slot the trace wrote are checked at the
+    end (the last block loaded into each). The peer's channel runs its configured mode."""
+    ep, layout = rig.ep, rig.layout
+    trace = make_trace(o.trace_batches, o.trace_large, layout, o.full_bytes, o.small_bytes, o.seed)
+    rng = random.Random(o.seed + 1)
+    half = layout.num_slots // 2
+    requests = []
+    for b in trace:
+        keys = rng.sample(range(half), b.keys)               # the peer's published blocks
+        dests = rng.sample(range(half, layout.num_slots), b.keys)
+        layers = range(layout.layers) if b.large else sorted(rng.sample(range(layout.layers), b.layers))
+        requests.append({PEER: {layer: dict(zip(keys, dests)) for layer in layers}})
+    useful = sum(trace_payload(b, layout) for b in trace)
+    for req in requests[:3]:                                 # warm: both views mapped
+        await ep.load(req)
+    regs0 = ep.snapshot_metrics()["registrations"]
+    peer0 = await rig.peer_metrics()
+    stages0 = await _stages(rig)
+    final: dict[tuple[int, int], int] = {}
+    times = []
+    perf = time.perf_counter
+    t0 = perf()
+    for req in requests:
+        t = perf()
+        await ep.load(req)
+        times.append(perf() - t)
+    total = perf() - t0
+    for req in requests:
+        for layer, blocks in req[PEER].items():
+            for key, dest in blocks.items():
+                final[(layer, dest)] = key
+    by_layer: dict[int, list[tuple[int, int]]] = {}
+    for (layer, dest), key in final.items():
+        by_layer.setdefault(layer, []).append((key, dest))
+    verified = True
+    expected = {PEER: pattern_caches(layout, PEER, o.seed)}
+    for layer, pairs in by_layer.items():
+        # several destinations may hold one key: check each (key -> dest) on its own
+        for key, dest in pairs:
+            verified = verified and check_loaded(ep.caches, {PEER: {layer: {key: dest}}}, expected) == 1
+    peer1 = await rig.peer_metrics()
+    wire = peer1["total"]["wire_bytes"] - peer0["total"]["wire_bytes"]
+    full_rate = o.full_bytes / (floors["full"]["median_us"] * 1e-6)
+    floor_s = useful / full_rate + len(trace) * floors["small"]["median_us"] * 1e-6
+    return {**stats(times), "batches": len(trace), "large_batches": sum(b.large for b in trace),
+            "useful_bytes": useful, "wire_bytes": wire, "wire_over_useful": wire / useful,
+            "registrations_after_warmup": (ep.snapshot_metrics()["registrations"] - regs0
+                                           + peer1["registrations"] - peer0["registrations"]),
+            "total_ms": total * 1e3, "floor_ms": floor_s * 1e3,
+            "ratio_total_to_floor": total / floor_s, "bytes_verified": verified,
+            "slots_checked": len(final), "stages": _stages_since(stages0, await _stages(rig))}
 
 
 def decision_cost(n: int = 20000) -> dict[str, float]:
@@ -413,7 +539,7 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
     from ..transports.nixl import NixlTransport
     # one process per GPU, each seeing both (CUDA IPC between them needs that); both poll,
     # so on a machine large enough each gets its own physical core (no SMT sibling)
-    cpus = pick_cpus(2) if o.pin_cpus else None
+    cpus = pick_cpus(2) if o.resolved_pin() else None
     spec = PeerSpec(rank=PEER, layout=layout, seed=o.seed, device="cuda:1" if device == "cuda" else "cpu",
                     config=cfg, hello_extras={RAW_COPIES: True},
                     torch_threads=1 if device == "cpu" else None,
@@ -482,8 +608,11 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         res["e2e_loads"] = await e2e_loads(rig, o, res["seed_cases"])
         report("trace replay")
         res["trace"] = await trace_replay(rig, o, floors)
+        report("trace as loads")
+        res["trace_loads"] = await trace_loads(rig, o, floors)
         report("decision cost")
         res["decision"] = decision_cost()
+        res["plan"] = plan_cost(rig.layout, o.full_bytes)
         report("memory growth")
         res["memory"] = await memory_growth(rig, o)
         # the floor again, to show how much the machine drifted during the run
@@ -512,7 +641,7 @@ async def compare_xoscar(o: BenchOptions, res: dict[str, Any], device: str) -> d
         return {"error": "xoscar is not installed: pip install 'xavier-async[xoscar]'"}
     try:
         xo = await anchor_xoscar.run_cases(o, res["floor"], device=device,
-                                           cpus=pick_cpus(2) if o.pin_cpus else None)
+                                           cpus=pick_cpus(2) if o.resolved_pin() else None)
     except Exception as exc:  # report it next to our numbers instead of losing the run
         return {"error": f"{type(exc).__name__}: {exc}"}
     xo["speedup_vs_xavier"] = anchor_xoscar.compare_with(res["seed_cases"], xo)
@@ -535,6 +664,8 @@ def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "alternating_streak_vs_always_full": t(sc["alternating_streak_vs_always_full"], 1.10),
         "trimmed_wire_over_useful": t(tr["trimmed_streak"]["wire_over_useful"], 1.02),
         "trace_vs_floor": t(tr["trimmed_streak"]["ratio_total_to_floor"], 3.0),
+        "trace_loads_vs_floor": t(r["trace_loads"]["ratio_total_to_floor"], 3.0),
+        "plan_one_hash_us": t(r["plan"]["cached_us"], 5.0),
         "decision_us": t(r["decision"]["median_us"], 3.0),
         "memory_growth_bytes": t(max(r["memory"]["rss_growth_bytes"], r["memory"]["device_growth_bytes"],
                                      0), 0),
