@@ -339,7 +339,7 @@ class DeviceRuns:
             with torch.cuda.stream(stream):
                 dev[: len(rows)].copy_(host[: len(rows)], non_blocking=True)
                 launch(dev, len(rows), rows, chunk)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
             self._staged = event
             return event

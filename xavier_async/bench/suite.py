@@ -364,7 +364,7 @@ def plan_cost(layout: LayoutSpec, full_bytes: int, n: int = 3000) -> dict[str, f
         return statistics.median(ts) / 1e3
 
     slots = layout.num_slots
-    def req(i: int) -> dict:  # a new block hash each time, as a serving stack asks
+    def req(i: int) -> dict[int, Any]:  # a new block hash each time, as a serving stack asks
         return {PEER: {layer: {1000 + i: i % slots} for layer in range(layout.layers)}}
     reqs = [req(i) for i in range(n + 50)]
     cached = med(lambda i: planner.plan(reqs[i]))
