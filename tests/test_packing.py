@@ -205,25 +205,29 @@ def test_all_bf16_patterns_survive_pack_and_unpack():
 
 
 TRITON_CHECK = r"""
+import os
 import torch
 from xavier_async import packing
 from xavier_async.layout import CacheLayout
 from xavier_async.planning import Planner
 from xavier_async.testing.peer_process import all_bf16_patterns
 g = torch.Generator().manual_seed(5)
-src = {0: all_bf16_patterns().view(256, 256), 1: torch.randint(0, 256, (64, 7), generator=g, dtype=torch.uint8)}
-dst = {0: torch.zeros(256, 256, dtype=torch.bfloat16), 1: torch.zeros(64, 7, dtype=torch.uint8)}
-runs = packing.DeviceRuns(torch.device("cpu"))
+dev = torch.device(os.environ.get("XAVIER_KERNEL_DEVICE", "cpu"))
+src = {0: all_bf16_patterns().view(256, 256).to(dev), 1: torch.randint(0, 256, (64, 7), generator=g, dtype=torch.uint8).to(dev)}
+dst = {0: torch.zeros(256, 256, dtype=torch.bfloat16, device=dev), 1: torch.zeros(64, 7, dtype=torch.uint8, device=dev)}
+runs = packing.DeviceRuns(dev)
 runs.CHUNK = 96                                   # long runs split into several programs
 layout = CacheLayout.of(dst)
 req = {3: {0: {k: 255 - k for k in range(40)} | {k: k for k in range(100, 140)}, 1: {k: [k + 1, 63 - k] for k in range(20)}}}
-send, recv = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(1 << 16, dtype=torch.uint8)
+send, recv = torch.zeros(1 << 16, dtype=torch.uint8, device=dev), torch.zeros(1 << 16, dtype=torch.uint8, device=dev)
 st, dt = packing.CacheTable(packing.byte_rows(src)), packing.CacheTable(packing.byte_rows(dst))
 sizes = [512, 7]
 wide = {3: {0: {k: 255 - k for k in range(40, 60)}}}  # aligned rows only: 8-byte words
 batches = Planner(layout, 1 << 16).plan(wide) + Planner(layout, 1 << 16).plan(req)
 for b in batches:
-    packing.pack(packing.SlabRows(send, sizes), b.segments, [list(s.keys) for s in b.segments], st, runs)
+    ev = packing.pack(packing.SlabRows(send, sizes), b.segments, [list(s.keys) for s in b.segments], st, runs)
+    if ev is not None:
+        ev.synchronize()
     recv.copy_(send)
     packing.unpack(packing.SlabRows(recv, sizes), b, dt, runs)
 for k in range(60):
@@ -251,5 +255,21 @@ def test_fused_kernel_under_the_triton_interpreter():
                          text=True, timeout=300)
     if out.returncode != 0 and "interpret" in out.stderr.lower() and "not supported" in out.stderr.lower():
         pytest.skip(f"Triton's interpreter cannot run the kernel here: {out.stderr[-300:]}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+def test_fused_kernel_on_cuda():
+    """The same check compiled for and run on a GPU (skipped without CUDA)."""
+    torch_cuda = pytest.importorskip("torch").cuda
+    pytest.importorskip("triton")
+    if not torch_cuda.is_available():
+        pytest.skip("no CUDA device")
+    import os
+    import subprocess
+    env = {**os.environ, "XAVIER_KERNEL_DEVICE": "cuda"}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")

@@ -25,6 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from time import perf_counter_ns
 from types import TracebackType
 from typing import Any
 
@@ -39,8 +40,8 @@ from .errors import (EndpointClosedError, HandshakeError, InvalidRequestError, P
                      TransferError, UnknownPeerError, XavierError)
 from .layout import BlockKey, CacheLayout, LayerId, check_key, check_layer_id, check_slot
 from .metrics import EndpointMetrics
-from .packing import SlabRows, byte_rows, gather, scatter
-from .planning import Batch, LoadRequest, normalize, plan_batches
+from .packing import CacheTable, DeviceRuns, SlabRows, byte_rows, pack, unpack
+from .planning import LoadRequest, PlannedBatch, Planner
 from .policy import DEFAULT_STREAK, ChannelPolicy
 from . import protocol
 from .protocol import (Error, Hello, Landed, Load, NeedsMapping, ParsedLoad, ProtocolError, Ready,
@@ -127,8 +128,13 @@ class Endpoint:
         self.layout = CacheLayout.of(caches)
         self.caches: dict[LayerId, torch.Tensor] = dict(caches)
         self._rows = byte_rows(self.caches)  # the caches as uint8 rows: copies are bit-exact
+        self._cache_table = CacheTable(self._rows)  # their base addresses, for run tables
+        self._planner = Planner(self.layout, self.config.full_bytes)
+        #: on CUDA, the fused pack/unpack launcher (None: the tensor path)
+        self._device_runs: DeviceRuns | None = None
         self.transport: Transport = transport if transport is not None else LocalTransport()
         self.metrics = EndpointMetrics()
+        self._stages = self.metrics.stages
         self._published: dict[LayerId, dict[BlockKey, int]] = {layer: {} for layer in self.caches}
         self._channels: dict[int, PeerChannel] = {}
         self._peer_hello: dict[int, dict[str, Any]] = {}
@@ -148,7 +154,7 @@ class Endpoint:
         self._closed = anyio.Event()
         self._stack: AsyncExitStack | None = None
         self._tg: TaskGroup | None = None
-        self._inbox: MemoryObjectSendStream[tuple[int, ParsedLoad]] | None = None
+        self._inbox: MemoryObjectSendStream[tuple[int, ParsedLoad, int]] | None = None
         self.send_slab: Slab | None = None
         self.recv_slab: Slab | None = None
 
@@ -158,6 +164,11 @@ class Endpoint:
             raise EndpointClosedError("an Endpoint can be entered once")
         sizes = self.config.sizes
         self.send_slab, self.recv_slab = allocate_slabs(sizes.full, sizes.small, self.layout.device)
+        if self.layout.device.type == "cuda":
+            try:
+                self._device_runs = DeviceRuns(self.layout.device)
+            except Exception:  # no Triton here: the tensor path
+                log.info("fused pack/unpack unavailable; using tensor copies", exc_info=True)
         block_sizes = [spec.block_nbytes for spec in self.layout.layers.values()]
         self._send_rows = SlabRows(self.send_slab.tensor, block_sizes)
         self._recv_rows = SlabRows(self.recv_slab.tensor, block_sizes)
@@ -168,7 +179,7 @@ class Endpoint:
             # Background work runs in a task group hosted by a task of its own, so that
             # stopping it (aclose) never cancels the caller's code inside `async with`.
             self._tg = await outer.start(self._host_background)
-            send, recv = anyio.create_memory_object_stream[tuple[int, ParsedLoad]](
+            send, recv = anyio.create_memory_object_stream[tuple[int, ParsedLoad, int]](
                 max_buffer_size=1 << 16)
             self._inbox = send
             stack.push_async_callback(self._shutdown_tasks)
@@ -387,28 +398,29 @@ class Endpoint:
         soon as the unpack is enqueued on the current stream of the caches' device: work
         on that stream sees the blocks, another stream must wait on it first, as with any
         asynchronous CUDA copy."""
+        t0 = perf_counter_ns()
         self._check_open()
-        plans = normalize(requests, self.layout)
-        batches: list[tuple[int, Batch]] = []
-        for src, plan in plans.items():
+        batches = self._planner.plan(requests)
+        for src in dict.fromkeys(b.src for b in batches):
             if src == self.rank:
                 raise InvalidRequestError(f"rank {src} cannot load from itself")
             if src not in self._channels:
                 raise UnknownPeerError(f"rank {src} is not connected to rank {self.rank}")
-            batches.extend((src, b) for b in plan_batches(plan, self.layout, self.config.full_bytes))
+        self._stages.plan.record(perf_counter_ns() - t0)
         self._enter_work()
         self.metrics.loads += 1
         useful = wire = blocks = 0
         try:
-            for src, batch in batches:
-                wire += await self._load_batch(src, batch)
+            for batch in batches:
+                wire += await self._load_batch(batch.src, batch)
                 useful += batch.useful_bytes
-                blocks += sum(len(s.keys) for s in batch.segments)
+                blocks += batch.blocks
         finally:
             self._leave_work()
+        self._stages.total.record(perf_counter_ns() - t0)
         return LoadResult(len(batches), blocks, useful, wire)
 
-    async def _load_batch(self, src: int, batch: Batch) -> int:
+    async def _load_batch(self, src: int, batch: PlannedBatch) -> int:
         m = self.metrics.peer(src)
         async with self._recv_lock:
             self._recv_slab_free()
@@ -418,19 +430,22 @@ class Endpoint:
                 # from the first byte of the request on, the copy is "started": it is
                 # waited for until the source reports a terminal state
                 wait_for_reply = until_set(landed, self.config.request_timeout)
-                sent = False
+                sent = 0  # perf_counter_ns once the request is out
 
                 async def request_and_wait() -> None:
                     nonlocal sent
                     if not sent:
-                        sent = True
+                        t_post = perf_counter_ns()
                         try:
-                            await self.transport.send(src, Load.of(req.req_id, batch).to_wire())
+                            await self.transport.send(src, Load(req.req_id, batch.wire()).to_wire())
                         except XavierError as exc:
                             req.fail(exc)
+                        sent = perf_counter_ns()
+                        self._stages.post.record(sent - t_post)
                     await wait_for_reply()
 
                 held = await wait_terminal(request_and_wait)
+                self._stages.wait.record(perf_counter_ns() - sent)
                 if not req.done:
                     m.load_errors += 1
                     lost = PeerLostError(
@@ -449,16 +464,22 @@ class Endpoint:
                 raise req.error
             # a cancellation that arrived during the copy surfaces here, before unpacking
             await anyio.lowlevel.checkpoint()
+            t_unpack = perf_counter_ns()
             self._unpack(batch)
+            self._stages.unpack.record(perf_counter_ns() - t_unpack)
             m.batches_received += 1
             m.bytes_received += req.wire_bytes
             return req.wire_bytes
 
-    def _unpack(self, batch: Batch) -> None:
-        # stream-ordered: only enqueued on the caches' current stream; the receive slab is
-        # then reused only after that unpack has run (_recv_slab_free)
-        self._unpacked = scatter(self._recv_rows, batch.segments, self._rows,
-                                 wait=not self.config.stream_ordered_unpack)
+    def _unpack(self, batch: PlannedBatch) -> None:
+        # one pass (memmoves on the CPU, one fused launch on CUDA). Stream-ordered: only
+        # enqueued, the caches' current stream waits on its event, and the receive slab is
+        # reused only after it has run (_recv_slab_free)
+        event = unpack(self._recv_rows, batch, self._cache_table, self._device_runs,
+                       wait=not self.config.stream_ordered_unpack)
+        if event is not None:
+            torch.cuda.current_stream(self.layout.device).wait_event(event)
+        self._unpacked = event
 
     def _recv_slab_free(self) -> None:
         """Wait for the last unpack to have read the receive slab (CUDA only)."""
@@ -484,6 +505,7 @@ class Endpoint:
         right here if :func:`decide` says ``Ready`` and the send slab is free: packed and
         posted without awaiting anything (a copy still running after the post is finished
         by a task). Everything else goes to the serve queue, in arrival order."""
+        arrived = perf_counter_ns()
         parsed = parse_load(load, self.layout, self.config.full_bytes)
         if isinstance(parsed, Refuse):
             self._spawn_reply(peer, parsed.req_id, parsed.error)
@@ -492,7 +514,9 @@ class Endpoint:
                 and not self._inbox.statistics().current_buffer_used):
             ch = self._channels.get(peer)
             if ch is not None:
+                t_lookup = perf_counter_ns()
                 d = decide(parsed, self._published, ch.policy, ch.mapped)
+                self._stages.lookup.record(perf_counter_ns() - t_lookup)
                 if isinstance(d, Refuse):
                     self._spawn_reply(peer, d.req_id, d.error)
                     return
@@ -503,29 +527,40 @@ class Endpoint:
                         pass
                     else:
                         self._inflight += 1
+                        self._stages.queue.record(0)
                         self._post_inline(ch, peer, d)
                         return
         if self._inbox is not None:
             try:
-                self._inbox.send_nowait((peer, parsed))
+                self._inbox.send_nowait((peer, parsed, arrived))
                 return
             except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
         log.warning("rank %d: cannot serve rank %d now (closing)", self.rank, peer)
 
-    def _post(self, ch: PeerChannel, ready: Ready) -> tuple[CopyPlan, object | None]:
-        """Commit the machine, pack the send slab, post the copy (all synchronous)."""
+    def _post(self, ch: PeerChannel, ready: Ready) -> tuple[CopyPlan, object | None, int]:
+        """Commit the machine, pack the send slab (one pass; on CUDA one launch whose event
+        is waited for, not the device), post the copy. Returns the plan, the transport's
+        pending token (None: already DONE) and when it was posted (perf_counter_ns)."""
         load = ready.load
         plan = ch.commit(load.payload, ready.view, load.useful)
-        assert self.send_slab is not None
-        gather(self._send_rows, load.segments, ready.slot_lists, self._rows)
-        return plan, ch.post(plan, Landed(load.req_id, plan.wire_bytes).to_wire())
+        t_pack = perf_counter_ns()
+        event = pack(self._send_rows, load.segments, ready.slot_lists, self._cache_table,
+                     self._device_runs)
+        if event is not None:  # NIXL does not order against CUDA streams
+            event.synchronize()
+        posted = perf_counter_ns()
+        self._stages.pack.record(posted - t_pack)
+        pending = ch.post(plan, Landed(load.req_id, plan.wire_bytes).to_wire())
+        if pending is None:
+            self._stages.post_to_done.record(perf_counter_ns() - posted)
+        return plan, pending, posted
 
     def _post_inline(self, ch: PeerChannel, peer: int, ready: Ready) -> None:
         """Serve from the poller (send slab held, work counted); never raises."""
         assert self._tg is not None
         try:
-            plan, pending = self._post(ch, ready)
+            plan, pending, posted = self._post(ch, ready)
         except Exception as exc:  # reply with the error; never raise into the poller
             self._send_free.release()
             self._leave_work()
@@ -536,12 +571,14 @@ class Endpoint:
             self._send_free.release()
             self._leave_work()
         else:
-            self._tg.start_soon(self._finish_inline, ch, peer, ready.load.req_id, plan, pending)
+            self._tg.start_soon(self._finish_inline, ch, peer, ready.load.req_id, plan, pending,
+                                posted)
 
     async def _finish_inline(self, ch: PeerChannel, peer: int, req_id: int, plan: CopyPlan,
-                             pending: object) -> None:
+                             pending: object, posted: int) -> None:
         try:
             await ch.finish(plan, pending)
+            self._stages.post_to_done.record(perf_counter_ns() - posted)
         except XavierError as exc:
             await self._reply_error(peer, req_id, exc)
         finally:
@@ -562,9 +599,10 @@ class Endpoint:
         except XavierError:
             pass  # the peer is gone; it will notice on its own
 
-    async def _serve_loop(self, inbox: MemoryObjectReceiveStream[tuple[int, ParsedLoad]]) -> None:
+    async def _serve_loop(self, inbox: MemoryObjectReceiveStream[tuple[int, ParsedLoad, int]]) -> None:
         async with inbox:
-            async for peer, parsed in inbox:
+            async for peer, parsed, arrived in inbox:
+                self._stages.queue.record(perf_counter_ns() - arrived)
                 await self._serve_queued(peer, parsed)
 
     async def _serve_queued(self, peer: int, load: ParsedLoad) -> None:
@@ -576,7 +614,9 @@ class Endpoint:
                 if self._state != "open":
                     raise EndpointClosedError(f"rank {self.rank} is closing")
                 ch = self.channel(peer)
+                t_lookup = perf_counter_ns()
                 first = decide(load, self._published, ch.policy, ch.mapped)
+                self._stages.lookup.record(perf_counter_ns() - t_lookup)
                 if isinstance(first, Refuse):  # unknown keys: refused before anything else
                     raise first.error
                 async with self._send_free:
@@ -591,12 +631,13 @@ class Endpoint:
                             continue
                         break
                     try:
-                        plan, pending = self._post(ch, d)
+                        plan, pending, posted = self._post(ch, d)
                     except TransferError:
                         await ch.forget()
                         raise
                     if pending is not None:  # not finished while posting
                         await ch.finish(plan, pending)
+                        self._stages.post_to_done.record(perf_counter_ns() - posted)
             except XavierError as exc:
                 await self._reply_error(peer, load.req_id, exc)
         finally:
