@@ -109,7 +109,7 @@ def test_parse_and_decide_refuse_anything_malformed(batch):
         return
     assert isinstance(parsed, ParsedLoad) and 0 < parsed.payload <= FULL
     policy = ChannelPolicy(FULL, SMALL)
-    d = decide(parsed, _published(), policy, {"full", "small"})
+    d = decide(parsed, _published(), policy, {("full", 0), ("small", 0)})
     assert isinstance(d, (Refuse, Ready))
     assert policy.state == "full"          # deciding never advances the machine
 
@@ -120,18 +120,18 @@ def test_decide_follows_the_machine_and_the_mappings():
     assert isinstance(parsed, ParsedLoad) and parsed.payload == batch.nbytes <= SMALL
     policy = ChannelPolicy(FULL, SMALL)
     assert decide(parsed, _published(), policy, set()) == NeedsMapping("full")
-    ready = decide(parsed, _published(), policy, {"full"})
+    ready = decide(parsed, _published(), policy, {("full", 0)})
     assert isinstance(ready, Ready) and ready.view == "full"
     assert ready.slot_lists == [[1, 2], [6, 5]]
     policy.commit(parsed.payload)          # first small batch: streak_1, full view
-    assert decide(parsed, _published(), policy, {"full"}) == NeedsMapping("small")
-    assert decide(parsed, _published(), policy, {"full", "small"}).view == "small"
+    assert decide(parsed, _published(), policy, {("full", 0)}) == NeedsMapping("small")
+    assert decide(parsed, _published(), policy, {("full", 0), ("small", 0)}).view == "small"
 
 
 def test_decide_refuses_unpublished_and_oversized():
     load, _ = _load_of({0: {"k1": 0, "nope": 1}})
     parsed = parse_load(load, LAYOUT, FULL)
-    d = decide(parsed, _published(), ChannelPolicy(FULL, SMALL), {"full", "small"})
+    d = decide(parsed, _published(), ChannelPolicy(FULL, SMALL), {("full", 0), ("small", 0)})
     assert isinstance(d, Refuse) and "nope" in str(d.error)
     assert isinstance(parse_load(load, LAYOUT, 8), Refuse)        # larger than this source's slab
     assert isinstance(parse_load(Load(1, [["w", [1]]]), LAYOUT, FULL), Refuse)   # unknown layer
