@@ -157,8 +157,8 @@ ERROR_KINDS: Final[Mapping[str, type[XavierError]]] = {
     "lost": PeerLostError,
     "transfer": TransferError,
     "registration": RegistrationError,
+    "stale": StaleRequestError,  # before its base RemoteError
     "refused": RemoteError,
-    "stale": StaleRequestError,
 }
 
 

@@ -129,6 +129,13 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
     from .. import Endpoint, EndpointConfig
     from ..transports.nixl import NixlTransport
 
+    if os.environ.get("XAVIER_ASYNC_CHILD_LOG"):  # e.g. "DEBUG": the child's log on stderr
+        import logging
+        logging.basicConfig(level=os.environ["XAVIER_ASYNC_CHILD_LOG"].upper(),
+                            format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
+        import faulthandler
+        import signal
+        faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: every thread's stack
     if spec.torch_threads is not None:
         torch.set_num_threads(spec.torch_threads)
     if spec.cpus:

@@ -468,11 +468,13 @@ class NixlTransport(Transport):
             if peer.lost:
                 continue
             try:
-                sock = peer.fs.stream.extra(anyio.abc.SocketAttribute.raw_socket)
-                data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                # the event loop's socket object refuses recv(): peek through a duplicate
+                fd = peer.fs.stream.extra(anyio.abc.SocketAttribute.raw_socket).fileno()
+                with socket.socket(fileno=os.dup(fd)) as dup:
+                    data = dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 continue
-            except (OSError, anyio.TypedAttributeLookupError):
+            except Exception:  # a broken socket, or none: treat the stream as ended
                 data = b""
             if data == b"":  # the other end closed its side
                 self._peer_gone(peer, True)
