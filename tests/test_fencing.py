@@ -241,3 +241,17 @@ async def test_freeze_resume_with_every_defence():
 async def test_freeze_resume_many_rounds():
     counts = await _freeze_resume(rounds=60, stall_check=0.0, seed=2)
     assert counts["rounds"] == 60 and counts["late_landed"] >= 1, counts
+
+
+@pytest.mark.slow
+async def test_soak_100k_loads_with_faults_cancellations_and_a_restart():
+    """``xavier-async bench --soak 100000`` as a test: every successful load's bytes are
+    checked inside; memory and descriptors stay flat after the warm-up."""
+    from xavier_async.bench.soak import soak
+    result = await soak(100_000)
+    assert result["outcomes"]["ok"] > 90_000, result
+    assert result["outcomes"].get("restarts") == 1
+    for name in ("loader", "rank1"):
+        assert result["growth"][name]["fds"] <= 2, result["growth"]
+        assert result["growth"][name]["rss_kib"] < 64 * 1024, result["growth"]
+    assert result["recv_slabs"]["registered"] <= 3, result["recv_slabs"]

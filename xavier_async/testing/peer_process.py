@@ -120,6 +120,8 @@ class PeerSpec:
     env: dict[str, str] | None = None
     #: extra hello fields (the benchmark's consent to raw copies, for example)
     hello_extras: dict[str, Any] = field(default_factory=dict)
+    #: a :class:`FaultPlan`'s fields: wrap the child's transport in a FaultyTransport
+    faults: dict[str, Any] | None = None
 
 
 def _child(conn: Any, spec_d: dict[str, Any]) -> None:
@@ -145,7 +147,11 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
 
     async def main() -> None:
         caches = pattern_caches(spec.layout, spec.rank, spec.seed, spec.device)
-        ep = Endpoint(spec.rank, caches, NixlTransport(**spec.transport), EndpointConfig(**spec.config))
+        transport: Any = NixlTransport(**spec.transport)
+        if spec.faults:
+            from .faulty import FaultPlan, FaultyTransport
+            transport = FaultyTransport(transport, FaultPlan(**spec.faults))
+        ep = Endpoint(spec.rank, caches, transport, EndpointConfig(**spec.config))
         ep._hello_extras.update(spec.hello_extras)
         async with ep:
             for slot in range(spec.layout.num_slots):
