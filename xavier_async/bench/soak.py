@@ -147,6 +147,39 @@ async def soak(loads: int, *, seed: int = 0, report: Callable[[int, int], None] 
                     "different process and is not meaningful"}
 
 
+async def verify_cost(loads: int = 2000, keys: int = 8, seed: int = 0) -> dict[str, Any]:
+    """End-to-end loads from one child over NIXL, by two loaders in this process: one with
+    ``verify=True``, one without, interleaved in rounds of 100. Median microseconds per
+    load and the ratio (the cost of verified delivery)."""
+    import statistics
+    rng = random.Random(seed)
+    expected = {1: pattern_caches(SPEC, 1, SEED)}
+    child = PeerProcess(PeerSpec(rank=1, layout=SPEC, seed=SEED, config=CFG, torch_threads=1))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        plain = Endpoint(0, pattern_caches(SPEC, 0, SEED), _nixl(), EndpointConfig(**CFG))
+        checked = Endpoint(2, pattern_caches(SPEC, 2, SEED), _nixl(), EndpointConfig(**CFG, verify=True))
+        async with plain, checked:
+            for ep in (plain, checked):
+                await ep.connect(child.address)
+            for r in range(2 * (loads // 100)):
+                ep = checked if r % 2 else plain
+                for _ in range(100):
+                    slots = rng.sample(range(SPEC.num_slots), keys)
+                    req = {1: {layer: {rng.randrange(SPEC.num_slots): s for s in slots}
+                               for layer in range(SPEC.layers)}}
+                    t = time.perf_counter()
+                    await ep.load(req)
+                    times[ep is checked].append(time.perf_counter() - t)
+                assert check_loaded(ep.caches, req, expected) > 0
+    finally:
+        child.close()
+    off, on = (statistics.median(times[v]) * 1e6 for v in (False, True))
+    return {"loads": loads, "keys_per_load": keys, "layers": SPEC.layers,
+            "block_bytes": SPEC.block_nbytes, "median_us_verify_off": round(off, 1),
+            "median_us_verify_on": round(on, 1), "ratio": round(on / off, 3)}
+
+
 def _nixl() -> Any:
     from ..transports.nixl import NixlTransport
     return NixlTransport()
@@ -161,4 +194,4 @@ def print_soak(result: dict[str, Any]) -> None:
     print(f"  receive slabs: {result['recv_slabs']}")
 
 
-__all__ = ["soak", "print_soak", "SPEC", "CFG", "FAULTS"]
+__all__ = ["soak", "verify_cost", "print_soak", "SPEC", "CFG", "FAULTS"]
