@@ -27,7 +27,7 @@ from ..testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec, check_loa
                                     zero_slots)
 
 SPEC = LayoutSpec(layers=4, num_slots=64, block_shape=(2, 8, 64), dtype="bfloat16")  # 2 KiB blocks
-CFG = dict(full_bytes=64 << 10, small_bytes=8 << 10)
+CFG: dict[str, Any] = dict(full_bytes=64 << 10, small_bytes=8 << 10)
 FAULTS = dict(write_failure_rate=0.002, write_stall_rate=0.002, stall_seconds=0.005,
               registration_failure_rate=0.05)
 SEED = 3

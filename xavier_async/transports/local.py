@@ -68,7 +68,7 @@ class LocalTransport(Transport):
         self.fabric = fabric if fabric is not None else LocalFabric()
         self._address: str | None = None
         self._peers: dict[int, LocalTransport] = {}
-        self._mappings: dict[int, set[str]] = {}
+        self._mappings: dict[int, set[tuple[str, int]]] = {}
         self.host: TransportHost | None = None
         self.send_slab: Slab | None = None
         #: receive slabs by index (a fenced slab's replacement is added later)
