@@ -86,12 +86,12 @@ class CountingTransport(LocalTransport):
         self.map_delay = map_delay
         self.writes = 0
 
-    async def map_view(self, peer, view):  # type: ignore[override]
+    async def map_view(self, peer, view, slab=0):  # type: ignore[override]
         import anyio
         self.map_calls += 1
         if self.map_delay:
             await anyio.sleep(self.map_delay)
-        m = await super().map_view(peer, view)
+        m = await super().map_view(peer, view, slab)
         self.map_done += 1
         return m
 

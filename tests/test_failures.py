@@ -300,7 +300,7 @@ async def test_lost_peer_fails_pending_loads_promptly_and_others_keep_working():
         assert got["elapsed"] < stall * 0.8               # did not wait for the stalled copy
         assert_same_bytes(caches[0][0][7], orig[0][0][7])
         assert a.peers == (2,)
-        with pytest.raises(UnknownPeerError):
+        with pytest.raises(PeerLostError, match="was lost"):
             await a.load({1: {0: {"k8": 8}}})
         # the other source keeps working, during and after b's stalled copy
         await a.load({2: {0: {f"k{s}": s for s in range(16, 20)}}})
@@ -372,6 +372,9 @@ async def test_closed_peer_is_dropped_and_others_keep_working():
         publish(c)
         await b.aclose()
         assert a.peers == (2,) and c.peers == (0,)
+        with pytest.raises(PeerLostError, match="was lost"):  # lost, not unknown
+            await a.load({1: {0: {"k1": 1}}})
+        await a.disconnect(1)                 # forgotten on purpose: unknown from now on
         with pytest.raises(UnknownPeerError):
             await a.load({1: {0: {"k1": 1}}})
         await a.load({2: {0: {"k1": 1}}})

@@ -18,7 +18,7 @@ from xavier_async import ChannelPolicy, HandshakeError, LayoutMismatchError, Rem
 from xavier_async.errors import PeerLostError, RegistrationError, TransferError, XavierError
 from xavier_async.layout import CacheLayout
 from xavier_async.planning import normalize, plan_batches
-from xavier_async.protocol import (ERROR_KINDS, PROTOCOL_VERSION, Error, Hello, Landed, Load,
+from xavier_async.protocol import (ERROR_KINDS, PROTOCOL_VERSION, Error, Hello, Landed, Load, Probe,
                                    NeedsMapping, ParsedLoad, ProtocolError, Ready, Refuse,
                                    RequestTable, check_hello, decide, decode, parse_load)
 from xavier_async.sizes import SlabSizes
@@ -40,16 +40,16 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=64))
 def test_decode_turns_any_bytes_into_a_message_or_a_protocol_error(data):
-    for msg in (data, b"XA" + data, b"XAL" + data, b"XAD" + data, b"XAE" + data):
+    for msg in (data, b"XA" + data, b"XAL" + data, b"XAD" + data, b"XAE" + data, b"XAP" + data):
         try:
             out = decode(msg)
         except ProtocolError:
             continue
-        assert isinstance(out, (Load, Landed, Error))
+        assert isinstance(out, (Load, Landed, Error, Probe))
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from([b"L", b"D", b"E"]), json_values)
+@given(st.sampled_from([b"L", b"D", b"E", b"P"]), json_values)
 def test_decode_of_any_json_body_is_a_message_or_a_protocol_error(tag, body):
     try:
         out = decode(b"XA" + tag + json.dumps(body).encode())
@@ -109,7 +109,7 @@ def test_parse_and_decide_refuse_anything_malformed(batch):
         return
     assert isinstance(parsed, ParsedLoad) and 0 < parsed.payload <= FULL
     policy = ChannelPolicy(FULL, SMALL)
-    d = decide(parsed, _published(), policy, {"full", "small"})
+    d = decide(parsed, _published(), policy, {("full", 0), ("small", 0)})
     assert isinstance(d, (Refuse, Ready))
     assert policy.state == "full"          # deciding never advances the machine
 
@@ -120,18 +120,18 @@ def test_decide_follows_the_machine_and_the_mappings():
     assert isinstance(parsed, ParsedLoad) and parsed.payload == batch.nbytes <= SMALL
     policy = ChannelPolicy(FULL, SMALL)
     assert decide(parsed, _published(), policy, set()) == NeedsMapping("full")
-    ready = decide(parsed, _published(), policy, {"full"})
+    ready = decide(parsed, _published(), policy, {("full", 0)})
     assert isinstance(ready, Ready) and ready.view == "full"
     assert ready.slot_lists == [[1, 2], [6, 5]]
     policy.commit(parsed.payload)          # first small batch: streak_1, full view
-    assert decide(parsed, _published(), policy, {"full"}) == NeedsMapping("small")
-    assert decide(parsed, _published(), policy, {"full", "small"}).view == "small"
+    assert decide(parsed, _published(), policy, {("full", 0)}) == NeedsMapping("small")
+    assert decide(parsed, _published(), policy, {("full", 0), ("small", 0)}).view == "small"
 
 
 def test_decide_refuses_unpublished_and_oversized():
     load, _ = _load_of({0: {"k1": 0, "nope": 1}})
     parsed = parse_load(load, LAYOUT, FULL)
-    d = decide(parsed, _published(), ChannelPolicy(FULL, SMALL), {"full", "small"})
+    d = decide(parsed, _published(), ChannelPolicy(FULL, SMALL), {("full", 0), ("small", 0)})
     assert isinstance(d, Refuse) and "nope" in str(d.error)
     assert isinstance(parse_load(load, LAYOUT, 8), Refuse)        # larger than this source's slab
     assert isinstance(parse_load(Load(1, [["w", [1]]]), LAYOUT, FULL), Refuse)   # unknown layer
@@ -188,3 +188,57 @@ def test_check_hello_survives_hostile_hellos(fields):
         check_hello(local, {**_hello(), **fields}, LAYOUT)
     except (HandshakeError, LayoutMismatchError):  # the two documented refusals
         pass
+
+
+# -- fencing fields (issue 9) ------------------------------------------------------------------
+
+@given(st.integers(0, 2**62), st.integers(0, 2**31), st.integers(0, 64), st.booleans())
+def test_load_with_epoch_slab_and_verify_round_trips(req_id, epoch, slab, verify):
+    msg = Load(req_id, [[0, [1, "a"]]], epoch, slab, verify)
+    assert decode(msg.to_wire()) == msg
+
+
+@given(st.integers(0, 2**62), st.integers(0, 2**40), st.one_of(st.none(), st.text(max_size=40)))
+def test_landed_with_a_digest_round_trips(req_id, n, digest):
+    assert decode(Landed(req_id, n, digest).to_wire()) == Landed(req_id, n, digest)
+
+
+@given(st.integers(0, 2**62), st.booleans())
+def test_probe_and_settled_error_round_trip(req_id, settled):
+    from xavier_async.protocol import Probe
+    assert decode(Probe(req_id, [[0, [1]]], 3).to_wire()) == Probe(req_id, [[0, [1]]], 3)
+    err = Error.of(req_id, TransferError("x"), settled)
+    assert decode(err.to_wire()) == err and err.settled is settled
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_probe_check_and_peer_facts_never_raise(body):
+    from xavier_async.protocol import Probe, check_probe, peer_facts
+    out = check_probe(Probe(1, body), LAYOUT, _published())
+    assert out is None or isinstance(out, XavierError)
+    hello = body if isinstance(body, dict) else {"rank": 1, "epochs": body, "unsettled": body}
+    facts = peer_facts(0, hello, {1: 4})
+    assert facts.min_epoch >= 1 and isinstance(facts.writes_unsettled, bool)
+
+
+def test_peer_facts_and_stale_epochs():
+    from xavier_async import StaleRequestError
+    from xavier_async.protocol import check_epoch, peer_facts
+    facts = peer_facts(0, {"rank": 1, "incarnation": "x", "epochs": [[0, 6], [2, 9]],
+                           "unsettled": [2]}, {1: 4})
+    assert facts.epoch_as_receiver == 5 and facts.min_epoch == 7 and not facts.writes_unsettled
+    assert peer_facts(0, {"rank": 1, "unsettled": [0]}, {}).writes_unsettled
+    assert peer_facts(0, {"rank": 1}, {}).writes_unsettled          # unknown: unsafe answer
+    refused = check_epoch(3, 6, 7)
+    assert refused is not None and isinstance(refused.error, StaleRequestError)
+    assert check_epoch(3, 7, 7) is None
+    assert decode(Error.of(3, refused.error).to_wire()).exception(1).__class__ is StaleRequestError
+
+
+def test_hellos_without_a_common_layer_are_refused():
+    local = Hello(0, LAYOUT.wire(), SlabSizes(FULL, SMALL), "cpu")
+    other = CacheLayout.of({"w": torch.zeros(8, 4, dtype=torch.float32)})
+    peer = Hello(1, other.wire(), SlabSizes(FULL, SMALL), "cpu").to_wire()
+    with pytest.raises(LayoutMismatchError, match="no layer id in common"):
+        check_hello(local, peer, LAYOUT)

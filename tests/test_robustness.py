@@ -59,10 +59,10 @@ class _SlowMapTransport(LocalTransport):
         self.entered = anyio.Event()
         self.go = anyio.Event()
 
-    async def map_view(self, peer, view):
+    async def map_view(self, peer, view, slab=0):
         self.entered.set()
         await self.go.wait()
-        return await super().map_view(peer, view)
+        return await super().map_view(peer, view, slab)
 
 
 async def test_a_reset_during_registration_makes_the_channel_choose_again():

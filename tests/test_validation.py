@@ -149,6 +149,9 @@ async def test_same_rank_rejected():
 # -- loads: rejected before any byte moves ------------------------------------------------
 
 BAD_LOADS = [
+    (None, "must be a mapping"),
+    (42, "must be a mapping"),
+    ([42], "must be a mapping"),
     ({1: {0: {"k0": -1}}}, "out of range"),
     ({1: {0: {"k0": 8}}}, "out of range"),
     ({1: {0: {"k0": True}}}, "must be an int"),

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from .channel import PeerChannel
 from .endpoint import Endpoint, EndpointConfig, LoadResult
-from .errors import (EndpointClosedError, HandshakeError, InvalidRequestError,
+from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InvalidRequestError,
                      LayoutMismatchError, PeerLostError, RegistrationError, RemoteError,
-                     TransferError, UnknownPeerError, XavierError)
+                     StaleRequestError, TransferError, UnknownPeerError, XavierError)
 from .layout import ALL_LAYERS
 from .metrics import EndpointMetrics, PeerMetrics
 from .policy import ChannelPolicy, build_machine
@@ -29,7 +29,7 @@ __all__ = [
     "Transport", "LocalFabric", "LocalTransport", "NixlTransport", "SlabSizes",
     "XavierError", "InvalidRequestError", "LayoutMismatchError", "UnknownPeerError",
     "EndpointClosedError", "RegistrationError", "TransferError", "PeerLostError",
-    "RemoteError", "HandshakeError", "__version__",
+    "RemoteError", "HandshakeError", "IntegrityError", "StaleRequestError", "__version__",
 ]
 
 

@@ -50,34 +50,38 @@ class PeerChannel:
         self.metrics = metrics
         self.trimmed = trimmed
         self.trim_align = trim_align
-        self._mappings: dict[View, object] = {}
+        #: (send view, peer's receive slab) -> the transport's mapping
+        self._mappings: dict[tuple[View, int], object] = {}
         self._map_lock = anyio.Lock(fast_acquire=True)
         self._last_view: View | None = None
 
     @property
-    def mapped(self) -> dict[View, object]:
-        """The views mapped for this peer (by name) and their transport mappings."""
+    def mapped(self) -> dict[tuple[View, int], object]:
+        """The (view name, peer's receive slab) pairs mapped for this peer and their
+        transport mappings."""
         return self._mappings
 
     @property
     def mapped_views(self) -> tuple[int, ...]:
-        """Sizes of the views currently mapped for this peer."""
-        return tuple(sorted(self.send_slab[v].nbytes for v in self._mappings))
+        """Sizes of the views currently mapped for this peer (any receive slab)."""
+        return tuple(sorted({self.send_slab[v].nbytes for v, _ in self._mappings}))
 
-    async def mapping(self, name: View) -> object:
-        """The mapping for a view, registering it on first use (single flight, retried)."""
-        m = self._mappings.get(name)
+    async def mapping(self, name: View, slab: int = 0) -> object:
+        """The mapping of a view to the peer's receive slab ``slab``, registering it on
+        first use (single flight, retried)."""
+        key = (name, slab)
+        m = self._mappings.get(key)
         if m is not None:
             return m
         view = self.send_slab[name]
         async with self._map_lock:
-            m = self._mappings.get(name)
+            m = self._mappings.get(key)
             if m is not None:
                 return m
             delays = self.retry.delays()
             while True:
                 try:
-                    m = await self.transport.map_view(self.peer, view)
+                    m = await self.transport.map_view(self.peer, view, slab)
                 except (PeerLostError, InvalidRequestError):
                     self.metrics.failures += 1
                     raise
@@ -91,11 +95,11 @@ class PeerChannel:
                     self.metrics.retries += 1
                     await anyio.sleep(delay)
                 else:
-                    self._mappings[name] = m
+                    self._mappings[key] = m
                     self.metrics.registrations += 1
                     return m
 
-    def commit(self, payload: int, view: View, useful: int) -> CopyPlan:
+    def commit(self, payload: int, view: View, useful: int, slab: int = 0) -> CopyPlan:
         """Advance the machine for a batch whose view (``view``, mapped, just decided by
         peeking at the machine) is about to be written; nothing may be awaited between
         that decision and this call."""
@@ -103,7 +107,7 @@ class PeerChannel:
         assert chosen == view, (chosen, view)
         view_bytes = self.policy.sizes.nbytes(view)
         wire = min(view_bytes, align_up(payload, self.trim_align)) if self.trimmed else view_bytes
-        return CopyPlan(payload, view, view_bytes, wire, self._mappings[view], useful)
+        return CopyPlan(payload, view, view_bytes, wire, self._mappings[(view, slab)], useful)
 
     async def prepare(self, payload: int) -> CopyPlan:
         """Choose the view for a bare copy, make sure it is mapped, then commit the choice.
@@ -115,7 +119,7 @@ class PeerChannel:
             self.policy.select(payload)  # raises the policy's own error
         while True:
             view = self.policy.peek_view(payload)
-            if view in self._mappings:
+            if (view, 0) in self._mappings:
                 return self.commit(payload, view, payload)
             await self.mapping(view)
 

@@ -22,6 +22,8 @@ unpacked, so the cache keeps its previous contents.
 from __future__ import annotations
 
 import logging
+import os
+import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -36,20 +38,21 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ._checks import check_bool, check_int, check_number, check_size
 from .channel import CopyPlan, PeerChannel
-from .errors import (EndpointClosedError, HandshakeError, InvalidRequestError, PeerLostError,
-                     TransferError, UnknownPeerError, XavierError)
+from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InvalidRequestError,
+                     PeerLostError, RegistrationError, TransferError, UnknownPeerError, XavierError)
 from .layout import BlockKey, CacheLayout, LayerId, check_key, check_layer_id, check_slot
 from .metrics import EndpointMetrics
 from .packing import CacheTable, DeviceRuns, SlabRows, byte_rows, pack, unpack
 from .planning import LoadRequest, PlannedBatch, Planner
 from .policy import DEFAULT_STREAK, ChannelPolicy
 from . import protocol
-from .protocol import (Error, Hello, Landed, Load, NeedsMapping, ParsedLoad, ProtocolError, Ready,
-                       Refuse, RequestTable, check_hello, decide, decode, parse_load)
+from .protocol import (Error, Hello, Landed, Load, NeedsMapping, ParsedLoad, PendingRequest, Probe,
+                       ProtocolError, Ready, Refuse, RequestTable, check_epoch, check_hello,
+                       check_probe, decide, decode, parse_load, peer_facts)
 from .retry import RetryPolicy
 from .shielded import until_set, wait_terminal
 from .sizes import DEFAULT_FULL_BYTES, SlabSizes
-from .slabs import Slab, allocate_slabs
+from .slabs import RecvSlabs, Slab, allocate_recv_slab, allocate_slabs, payload_digest
 from .transports.base import Transport
 from .transports.local import LocalTransport
 
@@ -69,7 +72,11 @@ class EndpointConfig:
     lost; keep it above the transport's own copy timeout (NIXL: 30 s), so a source whose
     copy stalls reports the failure itself first. ``stream_ordered_unpack``: on CUDA, let
     :meth:`Endpoint.load` return once the unpack is enqueued on the caches' current stream
-    instead of waiting for it (saves a device synchronization per batch).
+    instead of waiting for it (saves a device synchronization per batch). ``verify``:
+    every batch this endpoint loads carries a digest of its payload, computed by the
+    source after packing (on the device for VRAM); the batch is checked before it is
+    unpacked, and a mismatch raises :class:`IntegrityError` instead of writing it (costs a
+    reduction over the payload on both ends).
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -80,6 +87,7 @@ class EndpointConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     request_timeout: float = 60.0
     stream_ordered_unpack: bool = False
+    verify: bool = False
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +98,7 @@ class EndpointConfig:
         object.__setattr__(self, "streak", check_int("streak", self.streak, minimum=1))
         check_bool("trimmed", self.trimmed)
         check_bool("stream_ordered_unpack", self.stream_ordered_unpack)
+        check_bool("verify", self.verify)
         check_size("trim_align", self.trim_align)
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         if not isinstance(self.retry, RetryPolicy):
@@ -133,8 +142,24 @@ class Endpoint:
         #: on CUDA, the fused pack/unpack launcher (None: the tensor path)
         self._device_runs: DeviceRuns | None = None
         self.transport: Transport = transport if transport is not None else LocalTransport()
+        if not isinstance(self.transport, Transport):
+            raise InvalidRequestError(f"transport must be a Transport, got {type(self.transport).__name__}")
+        self.transport.claim(self)
         self.metrics = EndpointMetrics()
         self._stages = self.metrics.stages
+        #: names this endpoint instance in handshakes (a restarted process has a new one)
+        self.incarnation = uuid.uuid4().hex
+        self._pid = os.getpid()
+        #: as a receiver: the epoch our requests to each peer carry (one per connection)
+        self._epoch: dict[int, int] = {}
+        #: as a source: the oldest epoch we serve for each peer
+        self._min_epoch: dict[int, int] = {}
+        #: each connected peer's incarnation (kept after it is lost: fences name it)
+        self._peer_inc: dict[int, str] = {}
+        #: peers lost (not disconnected by us): their loads fail with PeerLostError
+        self._lost: dict[int, str] = {}
+        self._recv: RecvSlabs | None = None
+        self._recv_rows: dict[int, SlabRows] = {}
         self._published: dict[LayerId, dict[BlockKey, int]] = {layer: {} for layer in self.caches}
         self._channels: dict[int, PeerChannel] = {}
         self._peer_hello: dict[int, dict[str, Any]] = {}
@@ -156,25 +181,42 @@ class Endpoint:
         self._tg: TaskGroup | None = None
         self._inbox: MemoryObjectSendStream[tuple[int, ParsedLoad, int]] | None = None
         self.send_slab: Slab | None = None
-        self.recv_slab: Slab | None = None
+
+    @property
+    def recv_slab(self) -> Slab | None:
+        """The receive slab the next load is written into (another one replaces it when
+        it is fenced: see :attr:`recv_slab_stats`)."""
+        return self._recv.current if self._recv is not None else None
+
+    @property
+    def recv_slab_stats(self) -> dict[str, int]:
+        """Receive slabs: ``registered``, ``fenced_now`` (a lost source may still write
+        them), ``spares``, and how many were ever ``fences``, ``released_late`` (the stale
+        writer's late reply arrived) and ``released_reconnect``."""
+        return self._recv.stats() if self._recv is not None else {}
 
     # -- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> Endpoint:
+        """Allocate the slabs, start the background tasks and the transport. A failure
+        raises the real error and leaves nothing registered, listening or running."""
         if self._state != "new":
             raise EndpointClosedError("an Endpoint can be entered once")
-        sizes = self.config.sizes
-        self.send_slab, self.recv_slab = allocate_slabs(sizes.full, sizes.small, self.layout.device)
-        if self.layout.device.type == "cuda":
-            try:
-                self._device_runs = DeviceRuns(self.layout.device)
-            except Exception:  # no Triton here: the tensor path
-                log.info("fused pack/unpack unavailable; using tensor copies", exc_info=True)
-        block_sizes = [spec.block_nbytes for spec in self.layout.layers.values()]
-        self._send_rows = SlabRows(self.send_slab.tensor, block_sizes)
-        self._recv_rows = SlabRows(self.recv_slab.tensor, block_sizes)
+        self._state = "starting"
         stack = AsyncExitStack()
-        await stack.__aenter__()
+        outer: TaskGroup | None = None
         try:
+            sizes = self.config.sizes
+            self.send_slab, recv_slab = allocate_slabs(sizes.full, sizes.small, self.layout.device)
+            self._block_sizes = [spec.block_nbytes for spec in self.layout.layers.values()]
+            if self.layout.device.type == "cuda":
+                try:
+                    self._device_runs = DeviceRuns(self.layout.device)
+                except Exception:  # no Triton here: the tensor path
+                    log.info("fused pack/unpack unavailable; using tensor copies", exc_info=True)
+            self._send_rows = SlabRows(self.send_slab.tensor, self._block_sizes)
+            self._recv = RecvSlabs(recv_slab)
+            self._recv_rows = {0: SlabRows(recv_slab.tensor, self._block_sizes)}
+            await stack.__aenter__()
             outer = await stack.enter_async_context(anyio.create_task_group())
             # Background work runs in a task group hosted by a task of its own, so that
             # stopping it (aclose) never cancels the caller's code inside `async with`.
@@ -184,14 +226,25 @@ class Endpoint:
             self._inbox = send
             stack.push_async_callback(self._shutdown_tasks)
             self._tg.start_soon(self._serve_loop, recv, name=f"xavier-serve-{self.rank}")
-            await self.transport.start(self._host, self.send_slab, self.recv_slab, self._tg)
+            await self.transport.start(self._host, self.send_slab, recv_slab, self._tg)
         except BaseException:
+            # Release what the transport registered or bound (shielded), then stop our
+            # tasks and leave the task group: outside the shield, in the order entered,
+            # so no cancel scope is exited out of turn and the caller's task is intact.
             with anyio.CancelScope(shield=True):
-                try:  # release whatever the transport registered before it failed
+                try:
                     await self.transport.aclose()
                 except Exception:
                     log.debug("transport close after a failed start failed", exc_info=True)
+            if outer is not None:
+                outer.cancel_scope.cancel()
+            try:
                 await stack.aclose()
+            except Exception:
+                log.debug("stopping the tasks of a failed start failed", exc_info=True)
+            self._tg = None
+            self._state = "closed"
+            self._closed.set()
             raise
         self._stack = stack
         self._state = "open"
@@ -259,6 +312,11 @@ class Endpoint:
             raise EndpointClosedError(
                 "endpoint is not open (use `async with Endpoint(...)`)" if self._state == "new"
                 else "endpoint is closed")
+        if self._pid != os.getpid():
+            raise EndpointClosedError(
+                f"this Endpoint was created in process {self._pid}; a forked child cannot use "
+                "it (its event loop, transport and registrations belong to the parent): create "
+                "endpoints in the child, and start children with the 'spawn' method")
 
     def _enter_work(self) -> None:
         self._check_open()
@@ -312,7 +370,8 @@ class Endpoint:
         if peer in self._channels:
             self._peer_lost(peer, PeerLostError(f"rank {self.rank} disconnected from rank {peer}"),
                             disconnect=False)
-        await self._disconnect(peer)  # here, not in a task that could outlive a reconnect
+        self._lost.pop(peer, None)  # an explicit disconnect: the peer is unknown from now on
+        await self._disconnect(peer)
 
     def channel(self, peer: int) -> PeerChannel:
         """The channel this endpoint uses to write to ``peer``."""
@@ -330,12 +389,26 @@ class Endpoint:
         return self._peer_hello.get(peer, {})
 
     def _hello(self) -> Hello:
+        # ranks we may still write: a copy not yet terminal, or a connection we have not
+        # seen end (a peer that reconnects to us meanwhile must not trust it is over)
+        unsettled = self.transport.unsettled() | set(self._channels)
         return Hello(self.rank, self.layout.wire(), self.config.sizes, self.layout.device.type,
-                     version=protocol.PROTOCOL_VERSION, extras=self._hello_extras)
+                     version=protocol.PROTOCOL_VERSION, extras=self._hello_extras,
+                     incarnation=self.incarnation, epochs=dict(self._epoch),
+                     unsettled=tuple(sorted(unsettled)))
 
     def _peer_joined(self, peer: int, hello: dict[str, Any]) -> None:
         cfg = self.config
         assert self.send_slab is not None
+        facts = peer_facts(self.rank, hello, self._epoch)
+        self._epoch[peer] = facts.epoch_as_receiver
+        self._min_epoch[peer] = facts.min_epoch
+        self._peer_inc[peer] = facts.incarnation
+        self._lost.pop(peer, None)
+        if self._recv is not None and not facts.writes_unsettled:
+            # the same endpoint instance, under a new epoch, vouches that none of its
+            # writes to us can still land: its fenced slabs are free again
+            self._recv.release_peer(peer, facts.incarnation)
         old = self._channels.get(peer)
         if old is not None:  # a restarted peer: start from a clean channel
             old.policy.reset()
@@ -348,6 +421,8 @@ class Endpoint:
         """Fail what waits on ``peer`` and reset its channel; with ``disconnect``, drop the
         transport's connection too (in a task: this is called from transport callbacks)."""
         self._requests.fail(exc if isinstance(exc, XavierError) else PeerLostError(str(exc)), peer)
+        if peer in self._channels:
+            self._lost[peer] = str(exc)
         ch = self._channels.pop(peer, None)
         self._peer_hello.pop(peer, None)
         if ch is not None:
@@ -372,6 +447,8 @@ class Endpoint:
     def publish(self, key: BlockKey, slot: int, *, layers: Iterable[LayerId] | None = None) -> None:
         """Make ``key`` loadable by peers: it lives at ``slot`` of each layer's cache
         (all layers by default)."""
+        if self.closed:
+            raise EndpointClosedError("endpoint is closed: it publishes nothing any more")
         check_key(key)
         targets = list(self.caches) if layers is None else list(layers)
         for layer in targets:
@@ -400,30 +477,106 @@ class Endpoint:
         asynchronous CUDA copy."""
         t0 = perf_counter_ns()
         self._check_open()
-        batches = self._planner.plan(requests)
-        for src in dict.fromkeys(b.src for b in batches):
+        if requests is None or isinstance(requests, (str, bytes)) or not isinstance(
+                requests, (Mapping, Iterable)):
+            raise InvalidRequestError(
+                "a load request must be a mapping {source rank: {layer: {block key: slot}}} "
+                f"(or a list of those), got {type(requests).__name__}")
+        try:
+            planned = self._planner.plan(requests)
+        except TypeError as exc:  # something inside the request is not what it should be
+            raise InvalidRequestError(f"malformed load request: {exc}") from exc
+        batches = [(b.src, b) for b in planned]
+        for src in dict.fromkeys(b.src for b in planned):
             if src == self.rank:
                 raise InvalidRequestError(f"rank {src} cannot load from itself")
             if src not in self._channels:
+                if src in self._lost:
+                    raise PeerLostError(f"rank {src} was lost ({self._lost[src]}); reconnect it, "
+                                        "or disconnect() it to forget it")
                 raise UnknownPeerError(f"rank {src} is not connected to rank {self.rank}")
         self._stages.plan.record(perf_counter_ns() - t0)
         self._enter_work()
         self.metrics.loads += 1
-        useful = wire = blocks = 0
+        useful = wire = blocks = done = 0
         try:
-            for batch in batches:
-                wire += await self._load_batch(batch.src, batch)
+            if len(batches) > 1:
+                # several copies: every source confirms every key first, so that a refusal
+                # comes before any byte moves (one round trip, only for multi-batch loads)
+                wires: dict[int, list[Any]] = {}
+                for src, batch in batches:
+                    wires.setdefault(src, []).extend(batch.wire())
+                for src, items in wires.items():
+                    await self._probe(src, items)
+            for src, batch in batches:
+                wire += await self._load_batch(src, batch)
                 useful += batch.useful_bytes
                 blocks += batch.blocks
+                done += 1
+        except XavierError as exc:
+            if done:
+                exc.add_note(f"{done} of {len(batches)} batches ({blocks} blocks, {useful} B) of "
+                             "this load were already written into their slots")
+                exc.partial = LoadResult(done, blocks, useful, wire)  # type: ignore[attr-defined]
+            raise
         finally:
             self._leave_work()
         self._stages.total.record(perf_counter_ns() - t0)
         return LoadResult(len(batches), blocks, useful, wire)
 
+    async def _probe(self, src: int, items: list[Any]) -> None:
+        """Ask ``src`` whether every key in ``items`` is published (nothing is written)."""
+        replied = anyio.Event()
+        req = self._requests.open(src, replied.set)
+        try:
+            await self.transport.send(src, Probe(req.req_id, items, self._epoch.get(src, 0)).to_wire())
+            with anyio.move_on_after(self.config.request_timeout):
+                await replied.wait()
+            if not req.done:
+                raise PeerLostError(f"rank {src} did not answer within {self.config.request_timeout} s")
+            if req.error is not None:
+                self.metrics.peer(src).load_errors += 1
+                raise req.error
+        finally:
+            self._requests.close(req)
+
+    async def _active_recv_slab(self) -> Slab:
+        """The receive slab to load into; after a fence with no spare left, a new one is
+        allocated and registered (a registration caused by a failure, never in steady
+        state)."""
+        assert self._recv is not None
+        slab = self._recv.current
+        if slab is not None:
+            return slab
+        self._check_open()
+        sizes = self.config.sizes
+        slab = allocate_recv_slab(sizes.full, sizes.small, self.layout.device, self._recv.next_index)
+        try:
+            await self.transport.add_recv_slab(slab)
+        except XavierError:
+            raise
+        except Exception as exc:
+            raise RegistrationError(f"registering a replacement receive slab failed: {exc}") from exc
+        self._recv.add(slab)
+        self._recv_rows[slab.index] = SlabRows(slab.tensor, self._block_sizes)
+        log.info("rank %d: receive slab %d registered (replaces a fenced one)", self.rank, slab.index)
+        return slab
+
+    def _fence(self, src: int, req: PendingRequest) -> None:
+        """``src`` may still write the active receive slab for ``req``: never load into it
+        again until that is impossible (see :class:`RecvSlabs`)."""
+        assert self._recv is not None
+        self._recv.fence(src, self._peer_inc.get(src, ""), req.req_id)
+        log.warning("rank %d: receive slab fenced (rank %d may still write it for request %d)",
+                    self.rank, src, req.req_id)
+
     async def _load_batch(self, src: int, batch: PlannedBatch) -> int:
         m = self.metrics.peer(src)
         async with self._recv_lock:
             self._recv_slab_free()
+            slab = await self._active_recv_slab()
+            if slab.index:
+                await self.transport.share_recv_slab(src, slab)
             landed = anyio.Event()
             req = self._requests.open(src, landed.set)
             try:
@@ -431,15 +584,17 @@ class Endpoint:
                 # waited for until the source reports a terminal state
                 wait_for_reply = until_set(landed, self.config.request_timeout)
                 sent = 0  # perf_counter_ns once the request is out
+                msg = Load.of(req.req_id, batch, self._epoch.get(src, 0), slab.index,
+                              self.config.verify).to_wire()
 
                 async def request_and_wait() -> None:
                     nonlocal sent
                     if not sent:
                         t_post = perf_counter_ns()
                         try:
-                            await self.transport.send(src, Load(req.req_id, batch.wire()).to_wire())
+                            await self.transport.send(src, msg)
                         except XavierError as exc:
-                            req.fail(exc)
+                            req.fail(exc, settled=True)  # never sent: nothing can land
                         sent = perf_counter_ns()
                         self._stages.post.record(sent - t_post)
                     await wait_for_reply()
@@ -448,13 +603,15 @@ class Endpoint:
                 self._stages.wait.record(perf_counter_ns() - sent)
                 if not req.done:
                     m.load_errors += 1
+                    # the source may still write this slab, late: fence it first
+                    self._fence(src, req)
                     lost = PeerLostError(
                         f"rank {src} did not complete a copy within {self.config.request_timeout} s")
                     self._peer_lost(src, lost, disconnect=False)
-                    # cut the source off before the receive slab is reused: its copy
-                    # may still be under way
-                    await self._disconnect(src)
+                    await self._disconnect(src)  # here, not in a task that could outlive a reconnect
                     raise held or lost
+                if req.error is not None and not req.settled:
+                    self._fence(src, req)  # failed, but a write for it may still land
             finally:
                 self._requests.close(req)
             if held is not None:
@@ -464,18 +621,25 @@ class Endpoint:
                 raise req.error
             # a cancellation that arrived during the copy surfaces here, before unpacking
             await anyio.lowlevel.checkpoint()
+            if self.config.verify:
+                got = payload_digest(slab.tensor, batch.nbytes)
+                if got != req.digest:
+                    m.load_errors += 1
+                    raise IntegrityError(
+                        f"batch from rank {src} failed verification (digest {got}, the source "
+                        f"sent {req.digest}): not unpacked, the slots keep their contents")
             t_unpack = perf_counter_ns()
-            self._unpack(batch)
+            self._unpack(batch, slab)
             self._stages.unpack.record(perf_counter_ns() - t_unpack)
             m.batches_received += 1
             m.bytes_received += req.wire_bytes
             return req.wire_bytes
 
-    def _unpack(self, batch: PlannedBatch) -> None:
+    def _unpack(self, batch: PlannedBatch, slab: Slab) -> None:
         # one pass (memmoves on the CPU, one fused launch on CUDA). Stream-ordered: only
         # enqueued, the caches' current stream waits on its event, and the receive slab is
         # reused only after it has run (_recv_slab_free)
-        event = unpack(self._recv_rows, batch, self._cache_table, self._device_runs,
+        event = unpack(self._recv_rows[slab.index], batch, self._cache_table, self._device_runs,
                        wait=not self.config.stream_ordered_unpack)
         if event is not None:
             torch.cuda.current_stream(self.layout.device).wait_event(event)
@@ -496,8 +660,45 @@ class Endpoint:
             return
         if isinstance(message, Load):
             self._on_load(peer, message, inline)
+        elif isinstance(message, Probe):
+            self._on_probe(peer, message)
         elif self._requests.reply(peer, message) is None:
+            self._late_reply(peer, message)
+
+    def _on_late(self, peer: int, msg: bytes) -> None:
+        """A message from a connection that has ended: only replies count (they release
+        fenced receive slabs); requests are never served."""
+        try:
+            message = decode(msg)
+        except ProtocolError:
+            return
+        if isinstance(message, (Landed, Error)):
+            self._late_reply(peer, message)
+
+    def _late_reply(self, peer: int, message: Landed | Error) -> None:
+        """A reply to a request we no longer wait for: if it is the stale writer of a
+        fenced slab and its write is terminal, the slab is free again."""
+        settled = isinstance(message, Landed) or message.settled
+        if settled and self._recv is not None and self._recv.release_reply(peer, message.req_id):
+            log.info("rank %d: fenced receive slab released (late reply %d from rank %d)",
+                     self.rank, message.req_id, peer)
+        else:
             log.debug("rank %d: stray %r from rank %d", self.rank, message, peer)
+
+    def _on_probe(self, peer: int, probe: Probe) -> None:
+        stale = check_epoch(probe.req_id, probe.epoch, self._min_epoch.get(peer, 0))
+        err = stale.error if stale is not None else check_probe(probe, self.layout, self._published)
+        if self._tg is not None and self._state == "open":
+            self._tg.start_soon(self._reply, peer, probe.req_id, err)
+
+    async def _reply(self, peer: int, req_id: int, err: XavierError | None) -> None:
+        if err is not None:
+            await self._reply_error(peer, req_id, err)
+            return
+        try:
+            await self.transport.send(peer, Landed(req_id, 0).to_wire())
+        except XavierError:
+            pass
 
     def _on_load(self, peer: int, load: Load, inline: bool) -> None:
         """The one serve path. A request is parsed once; then, with ``inline`` (called from
@@ -506,6 +707,10 @@ class Endpoint:
         posted without awaiting anything (a copy still running after the post is finished
         by a task). Everything else goes to the serve queue, in arrival order."""
         arrived = perf_counter_ns()
+        stale = check_epoch(load.req_id, load.epoch, self._min_epoch.get(peer, 0))
+        if stale is not None:  # its receiver moved on (gave up, or reconnected since)
+            self._spawn_reply(peer, stale.req_id, stale.error)
+            return
         parsed = parse_load(load, self.layout, self.config.full_bytes)
         if isinstance(parsed, Refuse):
             self._spawn_reply(peer, parsed.req_id, parsed.error)
@@ -543,15 +748,17 @@ class Endpoint:
         is waited for, not the device), post the copy. Returns the plan, the transport's
         pending token (None: already DONE) and when it was posted (perf_counter_ns)."""
         load = ready.load
-        plan = ch.commit(load.payload, ready.view, load.useful)
+        plan = ch.commit(load.payload, ready.view, load.useful, load.slab)
+        assert self.send_slab is not None
         t_pack = perf_counter_ns()
         event = pack(self._send_rows, load.segments, ready.slot_lists, self._cache_table,
                      self._device_runs)
         if event is not None:  # NIXL does not order against CUDA streams
             event.synchronize()
+        digest = payload_digest(self.send_slab.tensor, load.payload) if load.verify else None
         posted = perf_counter_ns()
         self._stages.pack.record(posted - t_pack)
-        pending = ch.post(plan, Landed(load.req_id, plan.wire_bytes).to_wire())
+        pending = ch.post(plan, Landed(load.req_id, plan.wire_bytes, digest).to_wire())
         if pending is None:
             self._stages.post_to_done.record(perf_counter_ns() - posted)
         return plan, pending, posted
@@ -594,8 +801,10 @@ class Endpoint:
             self._tg.start_soon(self._reply_error, peer, req_id, exc)
 
     async def _reply_error(self, peer: int, req_id: int, exc: XavierError) -> None:
+        # settled: no write of ours to the peer can still land (a timed-out copy can)
+        settled = peer not in self.transport.unsettled()
         try:
-            await self.transport.send(peer, Error.of(req_id, exc).to_wire())
+            await self.transport.send(peer, Error.of(req_id, exc, settled).to_wire())
         except XavierError:
             pass  # the peer is gone; it will notice on its own
 
@@ -625,11 +834,18 @@ class Endpoint:
                         if isinstance(d, Refuse):
                             raise d.error
                         if isinstance(d, NeedsMapping):
-                            await ch.mapping(d.view)
+                            await ch.mapping(d.view, d.slab)
                             if self._channels.get(peer) is not ch:  # the peer left (or restarted)
                                 raise PeerLostError(f"rank {peer} went away before its copy")
                             continue
                         break
+                    # re-check right before posting (we may have waited): the requester
+                    # must still be connected on this channel and at this request's epoch
+                    if self._channels.get(peer) is not ch or self._state != "open":
+                        raise PeerLostError(f"rank {peer} went away before its copy")
+                    stale = check_epoch(load.req_id, load.epoch, self._min_epoch.get(peer, 0))
+                    if stale is not None:
+                        raise stale.error
                     try:
                         plan, pending, posted = self._post(ch, d)
                     except TransferError:
@@ -672,6 +888,9 @@ class _Host:
 
     def deliver(self, peer: int, msg: bytes, inline: bool = False) -> None:
         self._ep._on_message(peer, msg, inline)
+
+    def deliver_late(self, peer: int, msg: bytes) -> None:
+        self._ep._on_late(peer, msg)
 
     def peer_lost(self, peer: int, exc: BaseException) -> None:
         self._ep._peer_lost(peer, exc)

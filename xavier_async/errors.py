@@ -45,8 +45,18 @@ class PeerLostError(TransferError):
     """The peer went away (process died, connection closed, or it stopped answering)."""
 
 
+class IntegrityError(TransferError):
+    """A batch arrived with bytes that do not match the digest its source computed
+    (``EndpointConfig(verify=True)``); it was not unpacked."""
+
+
 class RemoteError(XavierError):
     """The source endpoint refused a load (for example an unpublished block key)."""
+
+
+class StaleRequestError(RemoteError):
+    """The source refused a request sent under an older epoch of the connection (the
+    receiver had already given up on it)."""
 
 
 class HandshakeError(XavierError):

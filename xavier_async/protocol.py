@@ -3,10 +3,14 @@ event loop, no transport).
 
 Control messages are one of three frozen dataclasses, each with ``to_wire``/``from_wire``:
 
-* :class:`Load` (receiver -> source): serve batch ``batch`` under request id ``req_id``;
+* :class:`Load` (receiver -> source): serve batch ``batch`` under request id ``req_id``,
+  into the receiver's receive slab number ``slab``, under the pair's ``epoch``;
+* :class:`Probe` (receiver -> source): are all these keys published? (answered with a
+  ``Landed`` of 0 bytes or an ``Error``; nothing is written);
 * :class:`Landed` (source -> receiver, carried by the WRITE): the batch's bytes are in the
-  receiver's receive slab;
-* :class:`Error` (source -> receiver): the source refused or failed the request.
+  receiver's receive slab (with a digest of the payload when the receiver asked for one);
+* :class:`Error` (source -> receiver): the source refused or failed the request;
+  ``settled`` says whether the source is sure no write of it can still land.
 
 On the wire a message is ``b"XA"``, one tag byte and compact JSON (never pickle: a peer can
 never make us execute code; byte keys travel as ``{"b": hex}``). The handshake's
@@ -27,18 +31,19 @@ from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Union
 
-from .errors import (HandshakeError, InvalidRequestError, PeerLostError, RegistrationError,
-                     RemoteError, TransferError, XavierError)
+from .errors import (HandshakeError, InvalidRequestError, LayoutMismatchError, PeerLostError,
+                     RegistrationError, RemoteError, StaleRequestError, TransferError, XavierError)
 from .layout import BlockKey, CacheLayout, LayerId
-from .planning import Batch, Segment, segments_from_wire
+from .planning import Batch, PlannedBatch, Segment, segments_from_wire
 from .policy import ChannelPolicy
 from .sizes import SlabSizes, View
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 MAGIC: Final = b"XA"
 LOAD_TAG: Final = b"L"
 LANDED_TAG: Final = b"D"
 ERROR_TAG: Final = b"E"
+PROBE_TAG: Final = b"P"
 
 
 class ProtocolError(ValueError):
@@ -67,6 +72,12 @@ def _req_id(value: object) -> int:
     return value
 
 
+def _count(value: object, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ProtocolError(f"malformed {what} {value!r}")
+    return value
+
+
 # -- messages ------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -77,19 +88,48 @@ class Load:
 
     req_id: int
     batch: Any
+    #: the (receiver, source) pair's epoch: a source refuses requests of an older epoch
+    epoch: int = 0
+    #: which of the receiver's receive slabs to write into
+    slab: int = 0
+    #: send a digest of the payload with ``Landed`` (``EndpointConfig(verify=True)``)
+    verify: bool = False
 
     @classmethod
-    def of(cls, req_id: int, batch: Batch) -> Load:
-        return cls(req_id, batch.wire())
+    def of(cls, req_id: int, batch: Batch | PlannedBatch, epoch: int = 0, slab: int = 0,
+           verify: bool = False) -> Load:
+        return cls(req_id, batch.wire(), epoch, slab, verify)
 
     def to_wire(self) -> bytes:
-        return _encode(LOAD_TAG, [self.req_id, self.batch])
+        return _encode(LOAD_TAG, [self.req_id, self.batch, self.epoch, self.slab, int(self.verify)])
 
     @classmethod
     def from_body(cls, body: Any) -> Load:
-        if not isinstance(body, list) or len(body) != 2:
+        if not isinstance(body, list) or len(body) != 5 or body[4] not in (0, 1) \
+                or type(body[4]) is not int:
             raise ProtocolError("malformed LOAD body")
-        return cls(_req_id(body[0]), body[1])
+        return cls(_req_id(body[0]), body[1], _count(body[2], "epoch"), _count(body[3], "slab"),
+                   bool(body[4]))
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Receiver -> source: check that every key of ``batch`` (same form as :class:`Load`'s)
+    is published, before any batch of a multi-batch load moves. Answered with
+    ``Landed(req_id, 0)`` or an :class:`Error`; nothing is written."""
+
+    req_id: int
+    batch: Any
+    epoch: int = 0
+
+    def to_wire(self) -> bytes:
+        return _encode(PROBE_TAG, [self.req_id, self.batch, self.epoch])
+
+    @classmethod
+    def from_body(cls, body: Any) -> Probe:
+        if not isinstance(body, list) or len(body) != 3:
+            raise ProtocolError("malformed PROBE body")
+        return cls(_req_id(body[0]), body[1], _count(body[2], "epoch"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,15 +138,18 @@ class Landed:
 
     req_id: int
     wire_bytes: int
+    #: digest of the payload as the source packed it (:func:`xavier_async.slabs.payload_digest`), if asked
+    digest: str | None = None
 
     def to_wire(self) -> bytes:
-        return _encode(LANDED_TAG, [self.req_id, self.wire_bytes])
+        return _encode(LANDED_TAG, [self.req_id, self.wire_bytes, self.digest])
 
     @classmethod
     def from_body(cls, body: Any) -> Landed:
-        if not isinstance(body, list) or len(body) != 2 or type(body[1]) is not int or body[1] < 0:
+        if not isinstance(body, list) or len(body) != 3 or type(body[1]) is not int or body[1] < 0 \
+                or not (body[2] is None or isinstance(body[2], str)):
             raise ProtocolError("malformed LANDED body")
-        return cls(_req_id(body[0]), body[1])
+        return cls(_req_id(body[0]), body[1], body[2])
 
 
 #: error kind on the wire <-> the exception the receiver raises (one table, both ways)
@@ -114,6 +157,7 @@ ERROR_KINDS: Final[Mapping[str, type[XavierError]]] = {
     "lost": PeerLostError,
     "transfer": TransferError,
     "registration": RegistrationError,
+    "stale": StaleRequestError,  # before its base RemoteError
     "refused": RemoteError,
 }
 
@@ -132,29 +176,32 @@ class Error:
     req_id: int
     kind: str
     text: str
+    #: the source is sure that no write of it for this request can still land
+    settled: bool = True
 
     @classmethod
-    def of(cls, req_id: int, exc: BaseException) -> Error:
-        return cls(req_id, _kind_of(exc), str(exc))
+    def of(cls, req_id: int, exc: BaseException, settled: bool = True) -> Error:
+        return cls(req_id, _kind_of(exc), str(exc), settled)
 
     def exception(self, peer: int) -> XavierError:
         """The exception the receiver raises (unknown kinds become :class:`RemoteError`)."""
         return ERROR_KINDS.get(self.kind, RemoteError)(f"rank {peer}: {self.text}")
 
     def to_wire(self) -> bytes:
-        return _encode(ERROR_TAG, [self.req_id, self.kind, self.text])
+        return _encode(ERROR_TAG, [self.req_id, self.kind, self.text, int(self.settled)])
 
     @classmethod
     def from_body(cls, body: Any) -> Error:
-        if not isinstance(body, list) or len(body) != 3 or not isinstance(body[1], str) \
-                or not isinstance(body[2], str):
+        if not isinstance(body, list) or len(body) != 4 or not isinstance(body[1], str) \
+                or not isinstance(body[2], str) or type(body[3]) is not int or body[3] not in (0, 1):
             raise ProtocolError("malformed ERROR body")
-        return cls(_req_id(body[0]), body[1], body[2])
+        return cls(_req_id(body[0]), body[1], body[2], bool(body[3]))
 
 
-Message = Union[Load, Landed, Error]
+Message = Union[Load, Probe, Landed, Error]
 _BY_TAG: Final[Mapping[bytes, Callable[[Any], Message]]] = {
-    LOAD_TAG: Load.from_body, LANDED_TAG: Landed.from_body, ERROR_TAG: Error.from_body}
+    LOAD_TAG: Load.from_body, PROBE_TAG: Probe.from_body, LANDED_TAG: Landed.from_body,
+    ERROR_TAG: Error.from_body}
 
 
 def decode(msg: bytes) -> Message:
@@ -176,7 +223,13 @@ def decode(msg: bytes) -> Message:
 @dataclass(frozen=True)
 class Hello:
     """What an endpoint tells a peer when they connect. ``extras`` carries optional,
-    uninterpreted fields (the benchmark's consent to raw copies, for example)."""
+    uninterpreted fields (the benchmark's consent to raw copies, for example).
+
+    Fencing fields: ``incarnation`` names this endpoint instance (a restarted process has a
+    new one); ``epochs[rank]`` is the epoch of our last connection with ``rank`` as its
+    receiver (the next one is that plus one; a source refuses older requests);
+    ``unsettled`` lists the ranks to which a write of ours may still land (a copy posted
+    and not terminal, or a connection we have not yet seen end)."""
 
     rank: int
     layout: list[Any]
@@ -184,11 +237,47 @@ class Hello:
     device: str
     version: int = PROTOCOL_VERSION
     extras: Mapping[str, Any] = field(default_factory=dict)
+    incarnation: str = ""
+    epochs: Mapping[int, int] = field(default_factory=dict)
+    unsettled: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         return {**self.extras, "version": self.version, "rank": self.rank, "layout": self.layout,
                 "full_bytes": self.sizes.full, "small_bytes": self.sizes.small,
-                "device": self.device}
+                "device": self.device, "incarnation": self.incarnation,
+                "epochs": [[r, e] for r, e in self.epochs.items()],
+                "unsettled": list(self.unsettled)}
+
+
+@dataclass(frozen=True, slots=True)
+class PeerFacts:
+    """The fencing fields of a peer's (already checked) hello, as seen by rank ``me``."""
+
+    incarnation: str
+    #: the epoch our requests to this peer carry from now on (its view of us plus one)
+    epoch_as_receiver: int
+    #: the epoch this peer's requests to us must carry at least
+    min_epoch: int
+    #: the peer may still land a write of its in our receive slabs
+    writes_unsettled: bool
+
+
+def peer_facts(me: int, peer: Mapping[str, Any], our_epochs: Mapping[int, int]) -> PeerFacts:
+    """Fencing facts from a peer's hello (malformed fields count as the unsafe answer)."""
+    rank = peer.get("rank")
+    epochs = peer.get("epochs")
+    theirs = 0
+    if isinstance(epochs, list):
+        for item in epochs:
+            if isinstance(item, list) and len(item) == 2 and item[0] == me and type(item[1]) is int:
+                theirs = max(theirs, item[1])
+    unsettled = peer.get("unsettled")
+    inc = peer.get("incarnation")
+    return PeerFacts(
+        incarnation=inc if isinstance(inc, str) else "",
+        epoch_as_receiver=our_epochs.get(rank, 0) + 1 if type(rank) is int else 1,
+        min_epoch=theirs + 1,
+        writes_unsettled=not isinstance(unsettled, list) or me in unsettled)
 
 
 def check_hello(local: Hello, peer: Any, layout: CacheLayout) -> int:
@@ -210,11 +299,18 @@ def check_hello(local: Hello, peer: Any, layout: CacheLayout) -> int:
                 raise HandshakeError(
                     f"slab size mismatch ({key}): local {mine}, peer {peer.get(key)} "
                     f"(views must match on both ends)")
-        layout.check_compatible(peer.get("layout", []), f"rank {rank}")
+        peer_layout = peer.get("layout", [])
+        layout.check_compatible(peer_layout, f"rank {rank}")
+        theirs = {item[0] for item in peer_layout}
+        if not any(layer in theirs for layer in layout.layers):
+            raise LayoutMismatchError(
+                f"rank {rank} has no layer id in common with this endpoint (local "
+                f"{list(layout.layers)[:8]!r}, rank {rank} {sorted(theirs, key=repr)[:8]!r}): "
+                "every load between them would fail")
         return rank
     except XavierError:
         raise
-    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError) as exc:
         raise HandshakeError(f"malformed handshake from peer: {exc!r}") from None
 
 
@@ -223,23 +319,27 @@ def check_hello(local: Hello, peer: Any, layout: CacheLayout) -> int:
 class PendingRequest:
     """One request awaiting its reply. ``on_done`` is called once, when it resolves."""
 
-    __slots__ = ("req_id", "peer", "wire_bytes", "error", "done", "_on_done")
+    __slots__ = ("req_id", "peer", "wire_bytes", "digest", "error", "settled", "done", "_on_done")
 
     def __init__(self, req_id: int, peer: int, on_done: Callable[[], None]) -> None:
         self.req_id, self.peer = req_id, peer
         self.wire_bytes = 0
+        self.digest: str | None = None
         self.error: XavierError | None = None
+        #: no write for this request can land any more (false while it may still land)
+        self.settled = False
         self.done = False
         self._on_done = on_done
 
-    def resolve(self, wire_bytes: int) -> None:
+    def resolve(self, wire_bytes: int, digest: str | None = None) -> None:
         if not self.done:
-            self.wire_bytes, self.done = wire_bytes, True
+            self.wire_bytes, self.digest, self.settled, self.done = wire_bytes, digest, True, True
             self._on_done()
 
-    def fail(self, exc: XavierError) -> None:
+    def fail(self, exc: XavierError, settled: bool = False) -> None:
+        """Fail the request; ``settled``: the source can no longer write for it."""
         if not self.done:
-            self.error, self.done = exc, True
+            self.error, self.settled, self.done = exc, settled, True
             self._on_done()
 
 
@@ -266,16 +366,17 @@ class RequestTable:
         if req is None or req.peer != peer:
             return None
         if isinstance(msg, Landed):
-            req.resolve(msg.wire_bytes)
+            req.resolve(msg.wire_bytes, msg.digest)
         else:
-            req.fail(msg.exception(peer))
+            req.fail(msg.exception(peer), settled=msg.settled)
         return req
 
-    def fail(self, exc: XavierError, peer: int | None = None) -> None:
-        """Fail every open request (to ``peer`` only, if given)."""
+    def fail(self, exc: XavierError, peer: int | None = None, settled: bool = False) -> None:
+        """Fail every open request (to ``peer`` only, if given); unless ``settled``, a
+        write for them may still land (the source was lost, not heard from)."""
         for req in list(self._open.values()):
             if peer is None or req.peer == peer:
-                req.fail(exc)
+                req.fail(exc, settled)
 
     def __iter__(self) -> Iterator[PendingRequest]:
         return iter(list(self._open.values()))
@@ -294,6 +395,9 @@ class ParsedLoad:
     segments: list[Segment]
     payload: int
     useful: int
+    epoch: int = 0
+    slab: int = 0
+    verify: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,9 +410,11 @@ class Refuse:
 
 @dataclass(frozen=True, slots=True)
 class NeedsMapping:
-    """The view the channel's machine picks is not mapped yet: map it, then decide again."""
+    """The view the channel's machine picks is not mapped to the request's receive slab
+    yet: map it, then decide again."""
 
     view: View
+    slab: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +424,11 @@ class Ready:
     load: ParsedLoad
     slot_lists: list[list[int]]
     view: View
+
+    @property
+    def target(self) -> tuple[View, int]:
+        """The mapping this copy uses: (send view, receiver's receive slab)."""
+        return (self.view, self.load.slab)
 
 
 Decision = Union[Refuse, NeedsMapping, Ready]
@@ -335,7 +446,31 @@ def parse_load(load: Load, layout: CacheLayout, full_bytes: int) -> ParsedLoad |
         return Refuse(load.req_id, InvalidRequestError(f"batch of {payload} B exceeds the full slab"))
     if payload <= 0:
         return Refuse(load.req_id, InvalidRequestError("empty load request"))
-    return ParsedLoad(load.req_id, segments, payload, sum(s.nbytes for s in segments))
+    return ParsedLoad(load.req_id, segments, payload, sum(s.nbytes for s in segments),
+                      load.epoch, load.slab, load.verify)
+
+
+def check_probe(probe: Probe, layout: CacheLayout,
+                published: Mapping[LayerId, Mapping[BlockKey, int]]) -> XavierError | None:
+    """``None`` if every key ``probe`` names is published here, else the refusal."""
+    try:
+        segments, _ = segments_from_wire(probe.batch, layout)
+    except InvalidRequestError as exc:
+        return exc
+    except (TypeError, ValueError) as exc:
+        return InvalidRequestError(f"malformed probe: {exc}")
+    refused = slots_of(ParsedLoad(probe.req_id, segments, 0, 0), published)
+    return refused.error if isinstance(refused, Refuse) else None
+
+
+def check_epoch(req_id: int, epoch: int, min_epoch: int) -> Refuse | None:
+    """A request from an epoch older than the pair's current one is refused (its
+    receiver has moved on: it gave up on it, or reconnected since)."""
+    if epoch < min_epoch:
+        return Refuse(req_id, StaleRequestError(
+            f"request {req_id} is from epoch {epoch}, the connection is at epoch {min_epoch}: "
+            "its receiver has moved on"))
+    return None
 
 
 def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]],
@@ -354,19 +489,20 @@ def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int
 
 
 def decide(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]],
-           policy: ChannelPolicy, mapped: Container[View]) -> Decision:
+           policy: ChannelPolicy, mapped: Container[tuple[View, int]]) -> Decision:
     """Whether ``load`` can be served now. Pure: the machine is only peeked at; the caller
-    commits the choice when it posts the copy, with nothing awaited in between."""
+    commits the choice when it posts the copy, with nothing awaited in between.
+    ``mapped`` holds the (view, receive slab) pairs the channel has mappings for."""
     slots = slots_of(load, published)
     if isinstance(slots, Refuse):
         return slots
     view = policy.peek_view(load.payload)
-    if view not in mapped:
-        return NeedsMapping(view)
+    if (view, load.slab) not in mapped:
+        return NeedsMapping(view, load.slab)
     return Ready(load, slots, view)
 
 
-__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Load", "Landed", "Error", "ERROR_KINDS",
-           "Message", "decode", "Hello", "check_hello", "PendingRequest", "RequestTable",
-           "ParsedLoad", "Refuse", "NeedsMapping", "Ready", "Decision", "parse_load", "slots_of",
-           "decide"]
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Load", "Probe", "Landed", "Error", "ERROR_KINDS",
+           "Message", "decode", "Hello", "PeerFacts", "peer_facts", "check_hello",
+           "PendingRequest", "RequestTable", "ParsedLoad", "Refuse", "NeedsMapping", "Ready",
+           "Decision", "parse_load", "check_probe", "check_epoch", "slots_of", "decide"]

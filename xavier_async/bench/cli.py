@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--no-pin", dest="pin", action="store_const", const=False,
                      help="do not pin (the default on CUDA machines)")
     b.add_argument("--quick", action="store_true", help="small counts (CI); same sections")
+    b.add_argument("--soak", type=_positive, metavar="N",
+                   help="instead of the sections: N loads over NIXL between processes with "
+                        "injected faults, cancellations and a peer restart, every byte checked")
     b.add_argument("--json", type=Path, metavar="PATH", help="write every figure and the environment")
     b.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG (needs matplotlib)")
     b.add_argument("--compare", choices=("xoscar",),
@@ -104,6 +107,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     import anyio
+
+    if args.soak is not None:
+        from .soak import print_soak, soak
+        result = anyio.run(lambda: soak(args.soak, seed=args.seed,
+                                        report=lambda i, n: print(f"... {i}/{n}", file=sys.stderr)))
+        print_soak(result)
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2, default=str))
+            print(f"wrote {args.json}")
+        return 0
 
     from .suite import BenchOptions, run
 

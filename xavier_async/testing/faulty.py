@@ -39,6 +39,11 @@ class FaultPlan:
     stall_seconds: float = 0.05
     #: ``{peer rank: n}``: the peer is lost when our n-th write to it starts
     lose_peer_after_writes: dict[int, int] = field(default_factory=dict)
+    #: fraction of writes whose first payload byte is flipped in flight
+    corruption_rate: float = 0.0
+    #: a stalled write whose connection ended meanwhile still lands, like a one-sided
+    #: NIXL WRITE the receiver cannot revoke (needs a LocalTransport inside)
+    late_writes_land: bool = False
 
 
 @dataclass
@@ -49,9 +54,12 @@ class FaultCounts:
     writes_failed: int = 0
     writes_stalled: int = 0
     peers_lost: int = 0
+    writes_corrupted: int = 0
+    #: stalled writes that landed after their connection had ended
+    late_writes_landed: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Stalled:
     peer: int
     mapping: object
@@ -59,6 +67,8 @@ class _Stalled:
     notify: bytes | None
     delay: float
     fail: bool
+    #: where the bytes go even if the connection ends (``late_writes_land``)
+    target: Any = None
 
 
 class FaultyTransport(Transport):
@@ -76,8 +86,15 @@ class FaultyTransport(Transport):
         self._stall_writes: list[float] = []
         self._lost: set[int] = set()
         self._writes: dict[int, int] = {}
+        self._corrupt_writes = 0
+        self._stalled: list[_Stalled] = []
         self._host: TransportHost | None = None
         self._stall_waiters: list[tuple[int, anyio.Event]] = []
+        self._send: Slab | None = None
+
+    def claim(self, owner: object) -> None:
+        super().claim(owner)
+        self.inner.claim(owner)
 
     # -- on-demand faults ---------------------------------------------------------------
     def fail_next_registrations(self, n: int = 1) -> None:
@@ -102,6 +119,11 @@ class FaultyTransport(Transport):
         self._stall_waiters.append((n, event))
         await event.wait()
 
+    def corrupt_next_writes(self, n: int = 1) -> None:
+        """The next ``n`` writes carry a flipped bit in their first payload byte (the
+        sender's data is intact: the bytes are damaged on the way)."""
+        self._corrupt_writes += n
+
     def lose_peer(self, peer: int) -> None:
         """From now on ``peer`` is unreachable, as if its process died."""
         if peer in self._lost:
@@ -121,8 +143,22 @@ class FaultyTransport(Transport):
 
     # -- Transport ----------------------------------------------------------------------
     async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
-        self._host = host
+        from ..errors import InvalidRequestError
+        from ..transports.local import LocalTransport
+        if self.plan.late_writes_land and not isinstance(self.inner, LocalTransport):
+            raise InvalidRequestError("late_writes_land needs a LocalTransport inside")
+        self._host, self._send = host, send
         await self.inner.start(host, send, recv, tg)
+
+    async def add_recv_slab(self, slab: Slab) -> None:
+        await self.inner.add_recv_slab(slab)
+
+    async def share_recv_slab(self, peer: int, slab: Slab) -> None:
+        self._check(peer)
+        await self.inner.share_recv_slab(peer, slab)
+
+    def unsettled(self) -> set[int]:
+        return self.inner.unsettled() | {w.peer for w in self._stalled}
 
     @property
     def memory_registrations(self) -> int:
@@ -142,14 +178,14 @@ class FaultyTransport(Transport):
         self._writes.pop(rank, None)
         return rank, hello
 
-    async def map_view(self, peer: int, view: SlabView) -> object:
+    async def map_view(self, peer: int, view: SlabView, slab: int = 0) -> object:
         self._check(peer)
         if self._fail_registrations or self._rng.random() < self.plan.registration_failure_rate:
             self._fail_registrations = max(0, self._fail_registrations - 1)
             self.injected.registrations_failed += 1
             await anyio.lowlevel.checkpoint()
             raise TransferError(f"injected registration failure for {view} -> rank {peer}")
-        return await self.inner.map_view(peer, view)
+        return await self.inner.map_view(peer, view, slab)
 
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
         self._check(peer)
@@ -161,30 +197,68 @@ class FaultyTransport(Transport):
         fail = bool(self._fail_writes) or self._rng.random() < self.plan.write_failure_rate
         if fail:
             self._fail_writes = max(0, self._fail_writes - 1)
+        if self._corrupt_writes or (self.plan.corruption_rate
+                                    and self._rng.random() < self.plan.corruption_rate):
+            self._corrupt_writes = max(0, self._corrupt_writes - 1)
+            self._corrupt(peer, mapping, nbytes, notify)
+            return None
         if self._stall_writes or self._rng.random() < self.plan.write_stall_rate:
             delay = self._stall_writes.pop(0) if self._stall_writes else self.plan.stall_seconds
             self.injected.writes_stalled += 1
+            target = self.inner.target(peer, mapping) if self.plan.late_writes_land else None  # type: ignore[attr-defined]
+            stalled = _Stalled(peer, mapping, nbytes, notify, delay, fail, target)
+            self._stalled.append(stalled)
             for n, event in [w for w in self._stall_waiters if w[0] <= self.injected.writes_stalled]:
                 self._stall_waiters.remove((n, event))
                 event.set()
-            return _Stalled(peer, mapping, nbytes, notify, delay, fail)
+            return stalled
         if fail:
             self.injected.writes_failed += 1
             raise TransferError(f"injected write failure to rank {peer}")
         return self.inner.post(peer, mapping, nbytes, notify)
 
+    def _corrupt(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> None:
+        """Post the write with one bit of its first byte flipped on the way, then put the
+        sender's byte back (the send slab is intact afterwards)."""
+        assert self._send is not None
+        first = self._send.tensor[:1]
+        saved = first.clone()
+        first.bitwise_xor_(1 << self._rng.randrange(8))
+        try:
+            pending = self.inner.post(peer, mapping, nbytes, notify)
+            if pending is not None:
+                raise TransferError("corrupting a write needs a transport that copies in post()")
+        finally:
+            first.copy_(saved)
+        self.injected.writes_corrupted += 1
+
     async def wait(self, pending: object) -> None:
         if not isinstance(pending, _Stalled):
             await self.inner.wait(pending)
             return
-        await anyio.sleep(pending.delay)
-        self._check(pending.peer)
-        if pending.fail:
-            self.injected.writes_failed += 1
-            raise TransferError(f"injected write failure to rank {pending.peer} (after a stall)")
-        inner = self.inner.post(pending.peer, pending.mapping, pending.nbytes, pending.notify)
-        if inner is not None:
-            await self.inner.wait(inner)
+        try:
+            await anyio.sleep(pending.delay)
+            if pending.target is not None and not pending.fail:
+                other, dst = pending.target
+                if self._host is not None and getattr(self.inner, "_peers", {}).get(pending.peer) is not other:
+                    # the connection ended during the stall: the write lands anyway, as a
+                    # one-sided write the target cannot revoke, and its notification
+                    # reaches the target as a late message
+                    dst[:pending.nbytes].copy_(pending.mapping.view.tensor[:pending.nbytes])  # type: ignore[attr-defined]
+                    self.injected.late_writes_landed += 1
+                    if pending.notify is not None and other.host is not None and other._address is not None:
+                        other.host.deliver_late(self._host.rank, pending.notify)
+                    return
+            self._check(pending.peer)
+            if pending.fail:
+                self.injected.writes_failed += 1
+                raise TransferError(f"injected write failure to rank {pending.peer} (after a stall)")
+            inner = self.inner.post(pending.peer, pending.mapping, pending.nbytes, pending.notify)
+            if inner is not None:
+                await self.inner.wait(inner)
+        finally:
+            if pending in self._stalled:
+                self._stalled.remove(pending)
 
     async def send(self, peer: int, msg: bytes) -> None:
         self._check(peer)

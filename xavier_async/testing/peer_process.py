@@ -120,6 +120,8 @@ class PeerSpec:
     env: dict[str, str] | None = None
     #: extra hello fields (the benchmark's consent to raw copies, for example)
     hello_extras: dict[str, Any] = field(default_factory=dict)
+    #: a :class:`FaultPlan`'s fields: wrap the child's transport in a FaultyTransport
+    faults: dict[str, Any] | None = None
 
 
 def _child(conn: Any, spec_d: dict[str, Any]) -> None:
@@ -129,6 +131,13 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
     from .. import Endpoint, EndpointConfig
     from ..transports.nixl import NixlTransport
 
+    if os.environ.get("XAVIER_ASYNC_CHILD_LOG"):  # e.g. "DEBUG": the child's log on stderr
+        import logging
+        logging.basicConfig(level=os.environ["XAVIER_ASYNC_CHILD_LOG"].upper(),
+                            format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
+        import faulthandler
+        import signal
+        faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: every thread's stack
     if spec.torch_threads is not None:
         torch.set_num_threads(spec.torch_threads)
     if spec.cpus:
@@ -138,7 +147,11 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
 
     async def main() -> None:
         caches = pattern_caches(spec.layout, spec.rank, spec.seed, spec.device)
-        ep = Endpoint(spec.rank, caches, NixlTransport(**spec.transport), EndpointConfig(**spec.config))
+        transport: Any = NixlTransport(**spec.transport)
+        if spec.faults:
+            from .faulty import FaultPlan, FaultyTransport
+            transport = FaultyTransport(transport, FaultPlan(**spec.faults))
+        ep = Endpoint(spec.rank, caches, transport, EndpointConfig(**spec.config))
         ep._hello_extras.update(spec.hello_extras)
         async with ep:
             for slot in range(spec.layout.num_slots):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, Protocol
 
+import anyio
+
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
@@ -47,6 +49,10 @@ class TransportHost(Protocol):
     def peer_lost(self, peer: int, exc: BaseException) -> None:
         """``peer`` is gone; fail what waits on it and reset its channel."""
 
+    def deliver_late(self, peer: int, msg: bytes) -> None:
+        """A message from ``peer``'s connection after it ended (a late write's
+        notification): only replies are looked at, to release fenced receive slabs."""
+
 
 class Transport(abc.ABC):
     """One transport instance serves exactly one endpoint."""
@@ -56,6 +62,17 @@ class Transport(abc.ABC):
 
     def __init__(self) -> None:
         self.memory_registrations = 0
+
+    def claim(self, owner: object) -> None:
+        """Bind this transport to its endpoint: a transport serves exactly one, and a
+        second :class:`Endpoint` handed the same instance is refused at construction."""
+        from ..errors import InvalidRequestError
+        current = getattr(self, "_owner", None)
+        if current is not None and current is not owner:
+            raise InvalidRequestError(
+                f"this {self.name} transport already serves another endpoint (rank "
+                f"{getattr(current, 'rank', '?')}); give every Endpoint its own transport")
+        self._owner = owner
 
     @abc.abstractmethod
     async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
@@ -75,8 +92,24 @@ class Transport(abc.ABC):
         the whole handshake (``None``: the transport's default)."""
 
     @abc.abstractmethod
-    async def map_view(self, peer: int, view: SlabView) -> object:
-        """Map our send ``view`` to the peer's receive view of the same size (may fail)."""
+    async def map_view(self, peer: int, view: SlabView, slab: int = 0) -> object:
+        """Map our send ``view`` to the view of the same size of the peer's receive slab
+        number ``slab`` (may fail; a slab the peer has not shared is an error)."""
+
+    async def add_recv_slab(self, slab: Slab) -> None:
+        """Register one more receive slab (the replacement of a fenced one). Peers learn
+        of it through :meth:`share_recv_slab`. Counts one memory registration."""
+        raise NotImplementedError(f"the {self.name} transport cannot add receive slabs")
+
+    async def share_recv_slab(self, peer: int, slab: Slab) -> None:
+        """Make sure ``peer`` can write into our receive slab ``slab`` (idempotent; a
+        no-op when it already can). Raises :class:`PeerLostError` if it cannot be told."""
+        await anyio.lowlevel.checkpoint()
+
+    def unsettled(self) -> set[int]:
+        """Ranks to which a write of ours may still land: posted and not terminal, or
+        given up on (timed out) without a terminal state."""
+        return set()
 
     @abc.abstractmethod
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:

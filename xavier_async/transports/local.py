@@ -8,9 +8,11 @@ equal-length ranges and then delivers its notification.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import torch
 
 from ..errors import HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError
 from ..slabs import SlabView
@@ -21,6 +23,14 @@ if TYPE_CHECKING:
 
     from ..slabs import Slab
     from .base import TransportHost
+
+
+@dataclass(frozen=True, slots=True)
+class LocalMapping:
+    """A send view mapped to one of the peer's receive slabs."""
+
+    view: SlabView
+    slab: int
 
 
 class LocalFabric:
@@ -59,15 +69,27 @@ class LocalTransport(Transport):
         self.fabric = fabric if fabric is not None else LocalFabric()
         self._address: str | None = None
         self._peers: dict[int, LocalTransport] = {}
-        self._mappings: dict[int, set[str]] = {}
+        self._mappings: dict[int, set[tuple[str, int]]] = {}
         self.host: TransportHost | None = None
         self.send_slab: Slab | None = None
-        self.recv_slab: Slab | None = None
+        #: receive slabs by index (a fenced slab's replacement is added later)
+        self.recv_slabs: dict[int, Slab] = {}
+
+    @property
+    def recv_slab(self) -> Slab | None:
+        """The first receive slab."""
+        return self.recv_slabs.get(0)
 
     async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
-        self.host, self.send_slab, self.recv_slab = host, send, recv
+        self.host, self.send_slab = host, send
+        self.recv_slabs = {recv.index: recv}
         self.memory_registrations += 2
         self._address = self.fabric._join(self)
+
+    async def add_recv_slab(self, slab: Slab) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.recv_slabs[slab.index] = slab
+        self.memory_registrations += 1
 
     @property
     def address(self) -> str:
@@ -101,24 +123,31 @@ class LocalTransport(Transport):
         self.host.peer_joined(theirs["rank"], theirs)
         return theirs["rank"], theirs
 
-    async def map_view(self, peer: int, view: SlabView) -> object:
+    async def map_view(self, peer: int, view: SlabView, slab: int = 0) -> object:
         await anyio.lowlevel.checkpoint()
         other = self._peer(peer)
-        assert other.recv_slab is not None
-        if other.recv_slab[view.name].nbytes != view.nbytes:  # the peer must have the same view
+        target = other.recv_slabs.get(slab)
+        if target is None:
+            raise InvalidRequestError(f"rank {peer} has no receive slab {slab}")
+        if target[view.name].nbytes != view.nbytes:  # the peer must have the same view
             raise InvalidRequestError(f"rank {peer} has no receive view like {view}")
-        self._mappings.setdefault(peer, set()).add(view.name)
-        return view
+        self._mappings.setdefault(peer, set()).add((view.name, slab))
+        return LocalMapping(view, slab)
+
+    def target(self, peer: int, mapping: object) -> tuple[LocalTransport, torch.Tensor]:
+        """The peer and the receive slab tensor a mapping writes into (fault injection
+        uses it to land a write after the connection is gone)."""
+        other = self._peer(peer)
+        if not isinstance(mapping, LocalMapping) or (mapping.view.name, mapping.slab) \
+                not in self._mappings.get(peer, ()):
+            raise TransferError(f"{mapping!r} is not mapped for rank {peer}")
+        return other, other.recv_slabs[mapping.slab].tensor
 
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
-        other = self._peer(peer)
-        view = mapping
-        if not isinstance(view, SlabView):
-            raise TransferError(f"not a mapping of this transport: {mapping!r}")
-        if view.name not in self._mappings.get(peer, ()):
-            raise TransferError(f"view {view} is not mapped for rank {peer}")
-        assert other.recv_slab is not None and other.host is not None and self.host is not None
-        other.recv_slab.tensor[:nbytes].copy_(view.tensor[:nbytes])
+        other, dst = self.target(peer, mapping)
+        assert isinstance(mapping, LocalMapping)
+        assert other.host is not None and self.host is not None
+        dst[:nbytes].copy_(mapping.view.tensor[:nbytes])
         if notify is not None:
             other.host.deliver(self.host.rank, notify)
         return None

@@ -21,6 +21,7 @@ per process per GPU.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import os
 import time
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from .base import TransportHost
 
 log = logging.getLogger("xavier_async.nixl")
+
+#: prefix of the transport's own notifications (new receive slabs and their acks)
+_XT = b"XT:"
 
 #: environment variables: the shared secret, and "1" to listen beyond loopback without one
 SECRET_ENV = "XAVIER_ASYNC_SECRET"
@@ -127,28 +131,38 @@ def nixl_agent_factory(name: str, backends: list[str]) -> NixlAgent:
 
 
 class _Peer:
-    __slots__ = ("rank", "agent", "recv_ptr", "recv_dev", "mem", "fs", "lost", "handles", "hello", "joined")
+    __slots__ = ("rank", "agent", "recv_ptrs", "recv_dev", "mem", "fs", "lost", "handles", "hello",
+                 "joined", "told")
 
-    def __init__(self, rank: int, agent: str, recv_ptr: int, recv_dev: int, mem: str,
-                 fs: FrameStream, hello: dict[str, Any]) -> None:
-        self.rank, self.agent, self.recv_ptr, self.recv_dev, self.mem = rank, agent, recv_ptr, recv_dev, mem
+    def __init__(self, rank: int, agent: str, recv_ptrs: dict[int, int], recv_dev: int, mem: str,
+                 fs: FrameStream, hello: dict[str, Any], told: set[int]) -> None:
+        self.rank, self.agent, self.recv_dev, self.mem = rank, agent, recv_dev, mem
+        #: the peer's receive slabs we may write: index -> address
+        self.recv_ptrs = recv_ptrs
         self.fs = fs
         self.hello = hello
         self.lost = False
         self.joined = False
-        #: view bytes -> _Mapping
-        self.handles: dict[int, _Mapping] = {}
+        #: (view bytes, the peer's receive slab) -> _Mapping
+        self.handles: dict[tuple[int, int], _Mapping] = {}
+        #: our receive slabs this peer knows (their registrations reached its agent)
+        self.told = told
+
+    @property
+    def recv_ptr(self) -> int:
+        return self.recv_ptrs[0]
 
 
 class _Mapping:
     """Transfer handles for one (peer, view): the view-length handle plus a bounded cache
     of exact-length handles for trimmed copies."""
 
-    __slots__ = ("view_bytes", "local_ptr", "by_len")
+    __slots__ = ("view_bytes", "local_ptr", "by_len", "slab")
 
-    def __init__(self, view_bytes: int, local_ptr: int, handle: Any) -> None:
+    def __init__(self, view_bytes: int, local_ptr: int, handle: Any, slab: int = 0) -> None:
         self.view_bytes = view_bytes
         self.local_ptr = local_ptr
+        self.slab = slab
         self.by_len: OrderedDict[int, Any] = OrderedDict({view_bytes: handle})
 
 
@@ -180,13 +194,17 @@ class _Join:
         self.superseded = False
         self.committed = False
         self.done = anyio.Event()
+        #: our receive slabs named in the hello we sent (the peer's agent learns them)
+        self.sent_slabs: set[int] = set()
 
     def _yield(self, message: str, kind: str) -> PeerYielded:
         assert self.t._host is not None
         return PeerYielded(message, kind, self.t._host.rank, self.t.agent_name)
 
     def hello(self) -> dict[str, Any]:
-        return self.t._my_hello()
+        frame = self.t._my_hello()
+        self.sent_slabs = {int(i) for i in frame["recv_slabs"]}
+        return frame
 
     async def check_hello(self, frame: dict[str, Any]) -> None:
         t = self.t
@@ -224,7 +242,7 @@ class _Join:
             raise self._yield("superseded by the connection rank "
                               f"{min(self.rank or 0, self.t._host.rank if self.t._host else 0)} started",
                               "superseded")
-        self.peer = self.t._add_peer(self.frame, self.fs)
+        self.peer = self.t._add_peer(self.frame, self.fs, self.sent_slabs)
         self.committed = True
 
     def finish(self) -> None:
@@ -256,7 +274,7 @@ class NixlTransport(Transport):
                  spin: float = 0.0001, agent_factory: AgentFactory | None = None,
                  secret: str | bytes | None = None, insecure: bool | None = None,
                  first_frame_timeout: float = 2.0, max_unauthenticated: int = 64,
-                 rank_grace: float = 30.0) -> None:
+                 rank_grace: float = 30.0, stall_check: float = 0.25) -> None:
         super().__init__()
         if secret is None:
             secret = os.environ.get(SECRET_ENV) or None
@@ -292,7 +310,7 @@ class NixlTransport(Transport):
             raise InvalidRequestError(f"port must be 0..65535, got {port!r}")
         for n, v in (("idle_poll", idle_poll), ("hot_window", hot_window),
                      ("write_timeout", write_timeout), ("handshake_timeout", handshake_timeout),
-                     ("spin", spin)):
+                     ("spin", spin), ("stall_check", stall_check)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise InvalidRequestError(f"{n} must be a number >= 0, got {v!r}")
         self._listen_host, self._port = host, port
@@ -302,6 +320,10 @@ class NixlTransport(Transport):
         self.write_timeout, self.handshake_timeout = write_timeout, handshake_timeout
         self.trim_handles = max(1, int(trim_handles))
         self.spin = spin
+        #: a poll loop that finds itself this many seconds after its previous pass (the
+        #: process was stalled: SIGSTOP, swap, a long GC) re-checks every peer's control
+        #: stream before it serves anything; 0 turns the check off
+        self.stall_check = stall_check
         self.agent: NixlAgent | None = None
         self._agent_factory: AgentFactory = agent_factory or nixl_agent_factory
         self.agent_name = ""
@@ -312,6 +334,17 @@ class NixlTransport(Transport):
         self._mem = "DRAM"
         self._dev = 0
         self._reg: list[Any] = []
+        #: receive slabs by index and their registrations
+        self._recv_slabs: dict[int, Slab] = {}
+        self._recv_regs: dict[int, Any] = {}
+        #: (peer agent, slab index) -> set when the peer acknowledged our new slab
+        self._acks: dict[tuple[str, int], anyio.Event] = {}
+        #: agents of peers we dropped, for late notifications (bounded)
+        self._former: OrderedDict[str, int] = OrderedDict()
+        #: copies given up on (timed out while still posted): handle id -> (rank, handle)
+        self._stuck: dict[int, tuple[int, Any]] = {}
+        #: stalls noticed by the poll loop (each followed by a liveness check)
+        self.stalls_seen = 0
         self._peers: dict[int, _Peer] = {}
         self._by_agent: dict[str, int] = {}
         #: handshakes under way, by the rank they claim
@@ -323,7 +356,7 @@ class NixlTransport(Transport):
         self._closed = False
         #: ids of transfer handles with a copy posted and not yet terminal, and handles
         #: whose release waits for that
-        self._in_flight: set[int] = set()
+        self._in_flight: dict[int, int] = {}
         self._release_later: dict[int, Any] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -340,10 +373,10 @@ class NixlTransport(Transport):
         self.agent_name = f"xa-{host.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = self._agent_factory(self.agent_name, list(self._backends))
         for slab in (send, recv):
-            descs = self._agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self._dev, "")],
-                                             self._mem)
-            self._reg.append(self._agent.register_memory(descs))
+            self._reg.append(self._agent.register_memory(self._reg_descs(slab)))
             self.memory_registrations += 1
+        self._recv_slabs[recv.index] = recv
+        self._recv_regs[recv.index] = self._reg[-1]
         self._listener = await anyio.create_tcp_listener(local_host=self._listen_host,
                                                          local_port=self._port)
         sock = self._listener.extra(anyio.abc.SocketAttribute.local_address)
@@ -351,6 +384,103 @@ class NixlTransport(Transport):
         for listener in getattr(self._listener, "listeners", [self._listener]):
             tg.start_soon(self._accept_loop, listener)
         tg.start_soon(self._poll_loop)
+
+    def _reg_descs(self, slab: Slab) -> Any:
+        return self._agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self._dev, "")],
+                                         self._mem)
+
+    async def add_recv_slab(self, slab: Slab) -> None:
+        await anyio.lowlevel.checkpoint()
+        if self._send_slab is None or slab.device != self._send_slab.device:
+            raise InvalidRequestError(f"receive slab on {slab.device}, not on the endpoint's device")
+        reg = self._agent.register_memory(self._reg_descs(slab))
+        self._reg.append(reg)
+        self._recv_slabs[slab.index] = slab
+        self._recv_regs[slab.index] = reg
+        self.memory_registrations += 1
+
+    async def share_recv_slab(self, peer: int, slab: Slab) -> None:
+        """Send the slab's registration (NIXL partial agent metadata) and address to the
+        peer as a notification and wait for its acknowledgement."""
+        p = self._peer(peer)
+        if slab.index in p.told:
+            return
+        if slab.index not in self._recv_regs:
+            raise InvalidRequestError(f"receive slab {slab.index} is not registered")
+        meta = self._agent.get_partial_agent_metadata(self._reg_descs(slab), False, self._backends)  # type: ignore[attr-defined]
+        key = (p.agent, slab.index)
+        ack = self._acks[key] = anyio.Event()
+        msg = _XT + json.dumps({"slab": slab.index, "ptr": slab.tensor.data_ptr(),
+                                "meta": base64.b64encode(meta).decode()}).encode()
+        try:
+            try:
+                self._agent.send_notif(p.agent, msg)
+            except Exception as exc:
+                raise PeerLostError(f"cannot tell rank {peer} about receive slab {slab.index}: {exc}") from exc
+            with anyio.move_on_after(self.handshake_timeout) as scope:
+                await ack.wait()
+            if scope.cancelled_caught or p.lost:
+                raise PeerLostError(f"rank {peer} did not acknowledge receive slab {slab.index} "
+                                    f"within {self.handshake_timeout} s")
+        finally:
+            self._acks.pop(key, None)
+        p.told.add(slab.index)
+
+    def _on_transport_msg(self, agent: str, msg: bytes) -> None:
+        """A transport-level notification: a peer's new receive slab, or our ack."""
+        try:
+            body = json.loads(msg[len(_XT):])
+            if "ack" in body:
+                ev = self._acks.get((agent, int(body["ack"])))
+                if ev is not None:
+                    ev.set()
+                return
+            rank = self._by_agent.get(agent)
+            p = self._peers.get(rank) if rank is not None else None
+            if p is None or p.lost:
+                return
+            index, ptr = int(body["slab"]), int(body["ptr"])
+            self._agent.add_remote_agent(base64.b64decode(body["meta"], validate=True))
+            p.recv_ptrs[index] = ptr
+            self._agent.send_notif(agent, _XT + json.dumps({"ack": index}).encode())
+        except Exception:
+            log.warning("bad transport message from agent %s", agent, exc_info=True)
+
+    def unsettled(self) -> set[int]:
+        return set(self._in_flight.values()) | {rank for rank, _ in self._stuck.values()}
+
+    def _check_stuck(self) -> None:
+        for key, (rank, h) in list(self._stuck.items()):
+            try:
+                state = self._agent.check_xfer_state(h)
+            except Exception:
+                state = "ERR"
+            if state != "PROC":
+                del self._stuck[key]
+                self._release_handle(h)
+
+    def _sweep(self) -> None:
+        """After a stall: a peer whose control stream has ended is lost now, before any
+        request of its is served (its receiver may have given up on us meanwhile)."""
+        import socket
+        self.stalls_seen += 1
+        for peer in list(self._peers.values()):
+            if peer.lost:
+                continue
+            try:
+                # the event loop's socket object refuses recv(): peek through a duplicate
+                fd = peer.fs.stream.extra(anyio.abc.SocketAttribute.raw_socket).fileno()
+                with socket.socket(fileno=os.dup(fd)) as dup:
+                    data = dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except Exception:  # a broken socket, or none: treat the stream as ended
+                data = b""
+            if data == b"":  # the other end closed its side
+                self._peer_gone(peer, True)
+                assert self._host is not None
+                self._host.peer_lost(peer.rank, PeerLostError(
+                    f"rank {peer.rank} closed the connection (noticed after a stall)"))
 
     @property
     def address(self) -> str:
@@ -379,6 +509,9 @@ class NixlTransport(Transport):
             for rank in list(self._peers):
                 await self.disconnect(rank)
             if self.agent is not None:
+                for _, h in self._stuck.values():
+                    self._release_handle(h)
+                self._stuck.clear()
                 for reg in self._reg:
                     try:
                         self._agent.deregister_memory(reg)
@@ -398,6 +531,7 @@ class NixlTransport(Transport):
         return {"hello": self._host.hello(), "agent": self.agent_name,
                 "meta": base64.b64encode(self._agent.get_agent_metadata()).decode(),
                 "recv_ptr": self._recv_slab.tensor.data_ptr(), "recv_dev": self._dev,
+                "recv_slabs": {str(i): s.tensor.data_ptr() for i, s in self._recv_slabs.items()},
                 "mem": self._mem}
 
     def _check(self, frame: dict[str, Any]) -> None:
@@ -409,11 +543,13 @@ class NixlTransport(Transport):
             raise HandshakeError("malformed handshake from peer") from None
         self._host.check_hello(hello)
 
-    def _add_peer(self, frame: dict[str, Any], fs: FrameStream) -> _Peer:
+    def _add_peer(self, frame: dict[str, Any], fs: FrameStream, told: set[int] | None = None) -> _Peer:
         try:  # parse everything before touching the agent
             rank = frame["hello"]["rank"]
             meta = base64.b64decode(frame["meta"], validate=True)
             recv_ptr, recv_dev = int(frame["recv_ptr"]), int(frame.get("recv_dev", 0))
+            recv_ptrs = {int(i): int(p) for i, p in dict(frame.get("recv_slabs", {})).items()}
+            recv_ptrs.setdefault(0, recv_ptr)
             mem = str(frame.get("mem", "DRAM"))
         except (KeyError, TypeError, ValueError) as exc:
             raise HandshakeError(f"malformed handshake from peer: {exc!r}") from None
@@ -427,7 +563,9 @@ class NixlTransport(Transport):
         name = self._agent.add_remote_agent(meta)
         if isinstance(name, bytes):
             name = name.decode()
-        peer = _Peer(rank, name, recv_ptr, recv_dev, mem, fs, frame["hello"])
+        self._former.pop(name, None)
+        peer = _Peer(rank, name, recv_ptrs, recv_dev, mem, fs, frame["hello"],
+                     set(told) if told is not None else {0})
         self._peers[rank] = peer
         self._by_agent[peer.agent] = rank
         return peer
@@ -615,6 +753,9 @@ class NixlTransport(Transport):
         peer.lost = True
         self._release(peer)
         self._by_agent.pop(peer.agent, None)
+        self._former[peer.agent] = rank  # its late notifications still mean something
+        while len(self._former) > 256:
+            self._former.popitem(last=False)
         self._notify()
         try:
             self._agent.remove_remote_agent(peer.agent)
@@ -635,24 +776,26 @@ class NixlTransport(Transport):
             await p.fs.aclose()
 
     # -- data path ----------------------------------------------------------------------
-    def _handle(self, peer: _Peer, local_ptr: int, nbytes: int) -> Any:
+    def _handle(self, peer: _Peer, local_ptr: int, nbytes: int, slab: int = 0) -> Any:
         return self._agent.initialize_xfer(
             "WRITE",
             self._agent.get_xfer_descs([(local_ptr, nbytes, self._dev)], self._mem),
-            self._agent.get_xfer_descs([(peer.recv_ptr, nbytes, peer.recv_dev)], peer.mem),
+            self._agent.get_xfer_descs([(peer.recv_ptrs[slab], nbytes, peer.recv_dev)], peer.mem),
             peer.agent)
 
-    async def map_view(self, peer: int, view: SlabView) -> object:
+    async def map_view(self, peer: int, view: SlabView, slab: int = 0) -> object:
         p = self._peer(peer)
         assert self._send_slab is not None
         if view.slab is not self._send_slab:
             raise InvalidRequestError(f"{view} is not a view of this endpoint's send slab")
+        if slab not in p.recv_ptrs:
+            raise InvalidRequestError(f"rank {peer} has not shared a receive slab {slab}")
         await anyio.lowlevel.checkpoint()
-        old = p.handles.get(view.nbytes)
+        old = p.handles.get((view.nbytes, slab))
         if old is not None:
             return old
-        m = _Mapping(view.nbytes, view.data_ptr, self._handle(p, view.data_ptr, view.nbytes))
-        p.handles[view.nbytes] = m
+        m = _Mapping(view.nbytes, view.data_ptr, self._handle(p, view.data_ptr, view.nbytes, slab), slab)
+        p.handles[(view.nbytes, slab)] = m
         return m
 
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
@@ -662,7 +805,7 @@ class NixlTransport(Transport):
         m = mapping
         h = m.by_len.get(nbytes)
         if h is None:  # trimmed copy of a new length: exact-length handle, kept in a small LRU
-            h = self._handle(p, m.local_ptr, nbytes)
+            h = self._handle(p, m.local_ptr, nbytes, m.slab)
             m.by_len[nbytes] = h
             if len(m.by_len) > self.trim_handles + 1:
                 for old_len in list(m.by_len):
@@ -684,25 +827,27 @@ class NixlTransport(Transport):
             return None
         if state != "PROC":
             raise TransferError(f"NIXL reported {state} for a copy of {nbytes} B to rank {peer}")
-        self._in_flight.add(id(h))
+        self._in_flight[id(h)] = p.rank
         return _Pending(p, h, nbytes, now + self.write_timeout)
 
     async def wait(self, pending: object) -> None:
         """Poll a posted copy to a terminal state. A copy is never abandoned while NIXL
         may still be reading the send slab: if the peer is lost meanwhile, polling goes on
-        (UCX fails the copy once the connection is gone) until ``write_timeout``."""
+        (UCX fails the copy once the connection is gone) until ``write_timeout``. A copy
+        that reached DONE landed, even if its peer was lost meanwhile (it counts as sent);
+        one still posted at ``write_timeout`` stays *unsettled* (:meth:`unsettled`) until
+        NIXL reports a terminal state for it."""
         if not isinstance(pending, _Pending):
             raise InvalidRequestError(f"not a pending copy of this transport: {pending!r}")
         w = pending
         agent, checkpoint = self._agent, anyio.lowlevel.checkpoint
         key = id(w.handle)
+        stuck = False
         try:
             while True:
                 await checkpoint()
                 state = agent.check_xfer_state(w.handle)
-                if state == "DONE":
-                    if w.peer.lost:
-                        raise PeerLostError(f"rank {w.peer.rank} went away during a copy")
+                if state == "DONE":  # the bytes landed, whether or not the peer is still here
                     return
                 if state != "PROC":
                     if w.peer.lost:
@@ -710,12 +855,15 @@ class NixlTransport(Transport):
                     raise TransferError(
                         f"NIXL reported {state} for a copy of {w.nbytes} B to rank {w.peer.rank}")
                 if time.monotonic() > w.deadline:
+                    stuck = True
                     raise TransferError(
                         f"copy to rank {w.peer.rank} did not finish in {self.write_timeout} s")
         finally:
-            self._in_flight.discard(key)
+            self._in_flight.pop(key, None)
             late = self._release_later.pop(key, None)
-            if late is not None:
+            if stuck:  # may still land: watched by the poll loop, released when terminal
+                self._stuck[key] = (w.peer.rank, late if late is not None else w.handle)
+            elif late is not None:
                 self._release_handle(late)
 
     async def send(self, peer: int, msg: bytes) -> None:
@@ -738,19 +886,30 @@ class NixlTransport(Transport):
         # Pinned to one CPU, a yield hands that CPU to CUDA's and UCX's own threads and
         # costs a timeslice (~200 us measured): poll through the event loop only.
         share = sched_yield is not None and _cpus() > 1
+        last_pass = monotonic()
         while True:
+            now = monotonic()
+            if self.stall_check and now - last_pass > self.stall_check:
+                self._sweep()  # we were stalled: drop peers that hung up before serving them
+            last_pass = now
+            if self._stuck:
+                self._check_stuck()
             notifs = agent.get_new_notifs()
             if notifs:
                 self._last_activity = monotonic()
-                for name, msgs in notifs.items():
-                    rank = by_agent.get(name if isinstance(name, str) else name.decode())
-                    if rank is None:
-                        continue
+                for raw_name, msgs in notifs.items():
+                    name = raw_name if isinstance(raw_name, str) else raw_name.decode()
+                    rank = by_agent.get(name)
                     for msg in msgs:
                         try:
-                            deliver(rank, msg, True)  # a load request may be served right here
+                            if msg[:3] == _XT:
+                                self._on_transport_msg(name, msg)
+                            elif rank is not None:
+                                deliver(rank, msg, True)  # a load request may be served right here
+                            elif name in self._former:  # a late reply from a dropped peer
+                                host.deliver_late(self._former[name], msg)
                         except Exception:  # never let one message stop the poller
-                            log.exception("delivering a message from rank %d failed", rank)
+                            log.exception("delivering a message from agent %s failed", name)
                 await checkpoint()
             elif monotonic() - self._last_activity < self.hot_window:
                 # nothing yet: give the core to any other runnable process (often our peer,
