@@ -24,8 +24,8 @@ slab = packing.SlabRows(send, sizes)
 src_t, dst_t = packing.CacheTable(packing.byte_rows(caches)), packing.CacheTable(packing.byte_rows(dst))
 runs = packing.DeviceRuns(dev)
 cases = {"1 hash x 24": {0: 7},
-         "64 hashes x 24 contiguous": {0: {k: 100 + k for k in range(64)}},
-         "64 hashes x 24 scattered": {0: {k: (k * 37) % 500 for k in range(64)}}}
+         "64 hashes x 24 contiguous": {k: 100 + k for k in range(64)},
+         "64 hashes x 24 scattered": {k: (k * 37) % 500 for k in range(64)}}
 
 
 def med(f, n=200):
@@ -41,7 +41,6 @@ def med(f, n=200):
 
 for name, blocks in cases.items():
     (b,) = planner.plan({1: {layer: blocks for layer in caches}})
-    slots = [list(blocks)] * len(b.segments)
     srcs = [[k for k in s.keys] for s in b.segments]
     tensor_pack = med(lambda: packing.gather(slab, b.segments, srcs, src_t.rows))
     fused_pack = med(lambda: packing.pack(slab, b.segments, srcs, src_t, runs).synchronize())

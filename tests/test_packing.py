@@ -4,6 +4,8 @@ paths. Bytes are compared as raw bytes, so NaN payloads count."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
