@@ -218,8 +218,15 @@ def summarize(args: argparse.Namespace, shape: ModelShape, cold_res: dict[str, A
     problems: list[str] = []
     for r in served:
         rid = r["id"]
-        if r["tokens_equal"] is not True:
+        tol = args.rtol * (r.get("max_abs_ref") or 0.0)
+        if exact and r["tokens_equal"] is not True:
             problems.append(f"request {rid}: tokens differ from the recomputed reference")
+        if not exact and r["tokens_equal"] is None:
+            problems.append(f"request {rid}: no reference to compare with")
+        for step, margin in r.get("flips") or ():
+            if margin > tol:  # a choice the reference made clearly: it must be ours too
+                problems.append(f"request {rid}: token {step} differs where the reference led "
+                                f"by {margin:.4g} > tolerance {tol:.4g}")
         if exact and r["logits_equal"] is not True:
             problems.append(f"request {rid}: logits not bit-equal (max |diff| {r['max_abs_diff']})")
         if not exact and r["max_abs_diff"] is not None \
@@ -270,6 +277,8 @@ def summarize(args: argparse.Namespace, shape: ModelShape, cold_res: dict[str, A
         "fallbacks": sorted({r["fallback"] for r in failures}),
         "cancelled": len(cancelled), "source_killed": killed,
         "correct": sum(1 for r in served if r["tokens_equal"] is True),
+        "near_tie_flips": sum(len(r.get("flips") or ()) for r in served) if not exact else 0,
+        "teacher_forced": not exact,
         "logits_bit_equal": sum(1 for r in served if r["logits_equal"] is True),
         "max_abs_logit_diff": max((r["max_abs_diff"] or 0.0 for r in served), default=0.0),
         "kv_bytes_equal": sum(1 for r in served if r["loaded"] and r["kv_equal"] is True),
@@ -306,7 +315,8 @@ def table(res: dict[str, Any]) -> str:
     m = res["model"]
     lines += ["", f"model: Qwen2 {m['layers']} layers, hidden {m['hidden']}, {m['kv_heads']} KV heads x "
                   f"{m['head_dim']}, {m['dtype']}; block {m['block_nbytes']:,} B",
-              f"tokens equal to the recomputed reference: {res['correct']}/{len(res['served'])}; "
+              f"tokens equal to the recomputed reference: {res['correct']}/{len(res['served'])}"
+              f"{' (teacher-forced; near-tie flips ' + str(res['near_tie_flips']) + ')' if res['teacher_forced'] else ''}; "
               f"logits bit-equal: {res['logits_bit_equal']}; max |logit diff| "
               f"{res['max_abs_logit_diff']:.3g}; loaded blocks' KV bytes equal: {res['kv_bytes_equal']}",
               "OK" if res["ok"] else "FAILED: " + "; ".join(res["problems"][:5])]
@@ -356,9 +366,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="weights and workload seed")
     g.add_argument("--threads", type=_positive, default=1, help="torch threads per replica")
     g.add_argument("--trimmed", action="store_true", help="move only the payload (EndpointConfig(trimmed=True))")
-    g.add_argument("--rtol", type=float, default=2 ** -6,
-                   help="BF16 only: largest |logit difference| accepted, relative to the largest "
-                        "|logit| of the request (2**-6: two BF16 steps there)")
+    g.add_argument("--rtol", type=float, default=2 ** -5,
+                   help="BF16 only: largest |logit difference| accepted (teacher-forced), relative "
+                        "to the request's largest |logit| (2**-5: eight BF16 steps there), and the "
+                        "margin below which the reference's choice counts as a near-tie")
     g.add_argument("--model", choices=("small", "qwen2.5-0.5b"),
                    help="model shape (default: small on cpu, qwen2.5-0.5b on cuda)")
     g.add_argument("--kill-source", action="store_true",

@@ -222,12 +222,15 @@ class Runner:
 
     @torch.no_grad()
     def decode(self, cache: Any, first: torch.Tensor, position: int, new_tokens: int,
-               ) -> tuple[list[int], torch.Tensor]:
+               forced: Sequence[int] | None = None) -> tuple[list[int], torch.Tensor]:
         """Greedy decoding from the first logits. Returns the tokens and every step's
-        logits ``[new_tokens, vocab]`` (float32, on the CPU)."""
+        logits ``[new_tokens, vocab]`` (float32, on the CPU). With ``forced`` (teacher
+        forcing) step ``i + 1`` is fed ``forced[i]`` instead of our own choice, so logits
+        can be compared step by step with a reference even where a near-tie flipped."""
         logits = [first]
         out = [int(first.argmax())]
         for i in range(new_tokens - 1):
-            logits.append(self._forward([out[-1]], position + i, cache))
+            fed = out[-1] if forced is None else forced[i]
+            logits.append(self._forward([fed], position + i, cache))
             out.append(int(logits[-1].argmax()))
         return out, torch.stack(logits).cpu()

@@ -43,6 +43,8 @@ class Replica:
         self.ep = endpoint
         self.conn = conn
         self.chunk = chunk_tokens
+        #: float32 on the CPU is compared bit for bit (free-running); BF16 with tolerance
+        self.exact = runner.shape.torch_dtype == torch.float32 and runner.device.type == "cpu"
         self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
         #: request id -> (tokens, logits) of the recompute path (the reference)
         self.reference: dict[int, tuple[list[int], torch.Tensor]] = {}
@@ -157,7 +159,12 @@ class Replica:
             digests = await self._model(lambda: [kv.digest(s) for s in slots])
             cache, first = await self._model(self.runner.first_token, tokens, slots)
             out["ttft_s"] = time.perf_counter() - t0
-            gen, logits = await self._model(self.runner.decode, cache, first, len(tokens), new_tokens)
+            # BF16: decode on the reference's tokens (teacher forcing), so that one step's
+            # near-tie cannot turn every later step into a different continuation
+            forced = self.reference.get(req["id"], (None, None))[0] \
+                if mode == "load" and not self.exact else None
+            gen, logits = await self._model(self.runner.decode, cache, first, len(tokens),
+                                            new_tokens, forced)
             out["latency_s"] = time.perf_counter() - t0
             out["tokens"] = gen
             if mode == "recompute":
@@ -177,10 +184,15 @@ class Replica:
         if ref is None:
             return {"tokens_equal": None, "logits_equal": None, "max_abs_diff": None}
         ref_gen, ref_logits = ref
+        diff = float((logits - ref_logits).abs().max())
+        top2 = ref_logits.topk(2, dim=-1).values
+        margins = (top2[:, 0] - top2[:, 1]).tolist()  # the reference's lead of its choice
         return {"tokens_equal": gen == ref_gen,
                 "logits_equal": bool(torch.equal(logits, ref_logits)),
-                "max_abs_diff": float((logits - ref_logits).abs().max()),
-                "max_abs_ref": float(ref_logits.abs().max())}
+                "max_abs_diff": diff,
+                "max_abs_ref": float(ref_logits.abs().max()),
+                # steps where we chose otherwise, with the reference's margin there
+                "flips": [(i, margins[i]) for i, (a, b) in enumerate(zip(gen, ref_gen)) if a != b]}
 
 
 def deterministic_cuda() -> None:
