@@ -45,7 +45,7 @@ def check_number(name: str, value: object, *, minimum: float = 0.0,
     if strictly_positive and value <= 0:
         raise InvalidRequestError(f"{name} must be > 0, got {value!r}")
     if value < minimum:
-        raise InvalidRequestError(f"{name} must be a number >= {minimum}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a number >= {minimum:g}, got {value!r}")
     return value
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .errors import InvalidRequestError
+from ._checks import check_int, check_number
 
 
 @dataclass(frozen=True)
@@ -18,12 +18,9 @@ class RetryPolicy:
     max_delay: float = 0.25
 
     def __post_init__(self) -> None:
-        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
-            raise InvalidRequestError(f"attempts must be an integer >= 1, got {self.attempts!r}")
+        check_int("attempts", self.attempts, minimum=1)
         for name in ("base_delay", "multiplier", "max_delay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise InvalidRequestError(f"{name} must be a number >= 0, got {value!r}")
+            check_number(name, getattr(self, name))
 
     def delays(self) -> Iterator[float]:
         """The sleeps between attempts (``attempts - 1`` of them)."""

@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show NIXL's and UCX's own INFO logs (quiet by default)")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="benchmark two endpoints against a floor measured in the same run",
-                       description="Run the floor, the seed's four channel cases, end-to-end loads, "
+                       description="Run the floor, four channel-copy cases (always full, alternating "
+                                   "under size-only selection and under the streak machine, sustained "
+                                   "small), end-to-end loads, "
                                    "a serving-trace replay, the decision cost and memory growth.")
     b.add_argument("--transport", choices=("nixl", "local"), default="nixl",
                    help="nixl: peer in a child process over real NIXL (default); local: in-process")
@@ -225,7 +227,7 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
          f"{tr['useful_bytes'] / 1e6:.1f} MB useful, floor {tr['floor_ms']:.1f} ms", trace_rows,
          ["mode", "wire/useful", "regs after warm-up", "p50 us", "p95 us", "total ms", "vs floor",
           "bytes ok"]),
-        (f"Targets (BRIEF section 3); decision {r['decision']['median_us']:.2f} us; memory growth "
+        (f"Targets; decision {r['decision']['median_us']:.2f} us; memory growth "
          f"over {r['memory']['copies']} copies: host {r['memory']['rss_growth_bytes']} B, device "
          f"{r['memory']['device_growth_bytes']} B", target_rows, ["target", "value", "limit", ""]),
     ]

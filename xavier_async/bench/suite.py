@@ -649,7 +649,7 @@ async def compare_xoscar(o: BenchOptions, res: dict[str, Any], device: str) -> d
 
 
 def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """BRIEF section 3, each as (value, limit, met)."""
+    """The product's targets (docs/benchmarks.md, Targets), each as (value, limit, met)."""
     sc, tr = r["seed_cases"], r["trace"]
 
     def t(value: float, limit: float, le: bool = True) -> dict[str, Any]:

@@ -38,7 +38,6 @@ class Replica:
     """The request handling of one replica (runs on the replica's event loop)."""
 
     def __init__(self, runner: Runner, endpoint: Any, conn: Connection, chunk_tokens: int) -> None:
-        import anyio
         self.runner = runner
         self.ep = endpoint
         self.conn = conn

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
+from .._checks import check_number
 from ..errors import HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError
 from ..slabs import SlabView
 from .base import Transport
@@ -106,9 +107,8 @@ class LocalTransport(Transport):
         return t
 
     async def connect(self, address: str, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
-        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-                                    or not timeout > 0):
-            raise InvalidRequestError(f"timeout must be a number > 0 or None, got {timeout!r}")
+        if timeout is not None:
+            check_number("timeout", timeout, strictly_positive=True)
         await anyio.lowlevel.checkpoint()
         other = self.fabric.lookup(address)
         assert self.host is not None and other.host is not None

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 from anyio.abc import SocketStream, TaskGroup
 
+from .._checks import check_int, check_number
 from ..errors import (HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError,
                       XavierError)
 from .base import Transport
@@ -294,11 +295,9 @@ class NixlTransport(Transport):
                 f"{INSECURE_ENV}=1) if the network is trusted")
         self._secret: bytes | None = secret
         self.insecure = bool(insecure)
-        for n, v in (("first_frame_timeout", first_frame_timeout), ("rank_grace", rank_grace)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                raise InvalidRequestError(f"{n} must be a number >= 0, got {v!r}")
-        if type(max_unauthenticated) is not int or max_unauthenticated < 1:
-            raise InvalidRequestError(f"max_unauthenticated must be an int >= 1, got {max_unauthenticated!r}")
+        check_number("first_frame_timeout", first_frame_timeout)
+        check_number("rank_grace", rank_grace)
+        check_int("max_unauthenticated", max_unauthenticated, minimum=1)
         self.first_frame_timeout, self.rank_grace = first_frame_timeout, rank_grace
         self.max_unauthenticated = max_unauthenticated
         self._unauthenticated = 0
@@ -306,13 +305,11 @@ class NixlTransport(Transport):
         self.refused_connections = 0
         #: ranks lost without a clean close: rank -> (agent, reserved until)
         self._gone: dict[int, tuple[str, float]] = {}
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
-            raise InvalidRequestError(f"port must be 0..65535, got {port!r}")
+        port = check_int("port", port, minimum=0, maximum=65535)
         for n, v in (("idle_poll", idle_poll), ("hot_window", hot_window),
                      ("write_timeout", write_timeout), ("handshake_timeout", handshake_timeout),
                      ("spin", spin), ("stall_check", stall_check)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                raise InvalidRequestError(f"{n} must be a number >= 0, got {v!r}")
+            check_number(n, v)
         self._listen_host, self._port = host, port
         self._advertise = advertise
         self._backends = list(backends)
@@ -573,9 +570,7 @@ class NixlTransport(Transport):
     def _timeout(self, timeout: float | None) -> float:
         if timeout is None:
             return self.handshake_timeout
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise InvalidRequestError(f"timeout must be a number > 0 or None, got {timeout!r}")
-        return float(timeout)
+        return float(check_number("timeout", timeout, strictly_positive=True))
 
     def _notify(self) -> None:
         self._changed.set()
