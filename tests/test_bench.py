@@ -115,3 +115,17 @@ def test_local_transport_bench_runs_in_process():
     assert r["environment"]["transport"] == "local" and r["floor"]["kind"] == "memcpy"
     assert r["seed_cases"]["sustained_small"]["wire_bytes"] == 20 * SMALL
     assert r["trace"]["trimmed_streak"]["wire_over_useful"] <= 1.02
+
+
+def test_the_installed_command_is_the_bench_cli():
+    """The `xavier-async` console script of pyproject.toml points at the command line."""
+    import importlib
+    from pathlib import Path
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    meta = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    target = meta["project"]["scripts"]["xavier-async"]
+    module, func = target.split(":")
+    main = getattr(importlib.import_module(module), func)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
