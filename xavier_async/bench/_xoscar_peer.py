@@ -1,4 +1,4 @@
-"""Child processes for ``xavier-async bench --compare xoscar`` (see :mod:`.anchor_xoscar`).
+"""Child processes for ``xavier-async bench --compare xoscar`` (see :mod:`.xoscar_anchor`).
 
 Run as ``python -m xavier_async.bench._xoscar_peer ROLE FD SPEC_JSON``. Each process hosts one
 xoscar actor pool on ``nixl://127.0.0.1`` (n_process=0: the pool lives in this process):

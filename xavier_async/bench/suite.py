@@ -634,7 +634,7 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
 
 
 async def compare_xoscar(o: BenchOptions, res: dict[str, Any], device: str) -> dict[str, Any]:
-    """The seed's four cases through xoscar's copy_to (see :mod:`.anchor_xoscar`), with
+    """The seed's four cases through xoscar's copy_to (see :mod:`.xoscar_anchor`), with
     the speedup over our numbers of the same run; ``{"error": ...}`` if it cannot run."""
     from . import xoscar_anchor as anchor_xoscar
     if not anchor_xoscar.available():
