@@ -30,6 +30,21 @@ def _caches(shapes: dict[int, tuple[int, ...]], dtype: torch.dtype, fill: bool, 
 SHAPES = {0: (32, 2, 8, 4), 1: (32, 3, 5), 2: (32, 2, 8, 4)}  # layer 1 has an odd block size
 
 
+def request_from(picks) -> dict:
+    """A ``{layer: {key: slot or [slots]}}`` request from hypothesis' ``(layer, key, slot,
+    extra)`` picks: a key may fan out to up to ``extra`` more consecutive slots; no slot is
+    targeted twice and no key is repeated in a layer."""
+    request: dict = {}
+    used: set = set()
+    for layer, key, slot, extra in picks:
+        slots = [s for s in range(slot, min(32, slot + 1 + extra)) if (layer, s) not in used]
+        if not slots or key in request.get(layer, {}):
+            continue
+        used.update((layer, s) for s in slots)
+        request.setdefault(layer, {})[key] = slots if len(slots) > 1 else slots[0]
+    return request
+
+
 @pytest.fixture(params=[True, False], ids=["memmove", "tensor"])
 def path(request, monkeypatch):
     monkeypatch.setattr(packing, "HOST_MEMMOVE", request.param)
@@ -47,14 +62,7 @@ def test_gather_scatter_match_blockwise_reference(picks, memmove):
         dst = _caches(SHAPES, torch.bfloat16, False)
         before = {k: v.clone() for k, v in dst.items()}
         layout = CacheLayout.of(dst)
-        request: dict = {}
-        used: set = set()
-        for layer, key, slot, extra in picks:
-            slots = [s for s in range(slot, min(32, slot + 1 + extra)) if (layer, s) not in used]
-            if not slots or key in request.get(layer, {}):
-                continue
-            used.update((layer, s) for s in slots)
-            request.setdefault(layer, {})[key] = slots if len(slots) > 1 else slots[0]
+        request = request_from(picks)
         plan = normalize({5: request}, layout)[5]
         full = 4096
         send = torch.zeros(full, dtype=torch.uint8)
@@ -146,14 +154,7 @@ def test_run_tables_match_blockwise_reference(picks, uniform, full):
     src = _caches(SHAPES, torch.bfloat16, True, seed=1)
     dst = _caches(SHAPES, torch.bfloat16, False)
     before = {k: v.clone() for k, v in dst.items()}
-    request: dict = {}
-    used: set = set()
-    for layer, key, slot, extra in picks:
-        slots = [s for s in range(slot, min(32, slot + 1 + extra)) if (layer, s) not in used]
-        if not slots or key in request.get(layer, {}):
-            continue
-        used.update((layer, s) for s in slots)
-        request.setdefault(layer, {})[key] = slots if len(slots) > 1 else slots[0]
+    request = request_from(picks)
     if uniform:  # the same single-slot blocks in every layer: the cached, shape-planned path
         first = {k: (s if isinstance(s, int) else s[0]) for k, s in next(iter(request.values())).items()}
         request = {layer: dict(first) for layer in SHAPES}
