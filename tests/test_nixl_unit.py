@@ -334,3 +334,33 @@ async def test_connect_timeout_per_call():
                 tg.cancel_scope.cancel()
         with pytest.raises(InvalidRequestError, match="timeout"):
             await a.t.connect("127.0.0.1:1", timeout=-1)
+
+
+async def test_a_timed_out_copy_keeps_its_handle_until_it_is_terminal():
+    """A copy that outlives write_timeout may still be posted: resetting the channel must
+    not release its handle (the poller releases it once NIXL reports a terminal state)."""
+    from xavier_async import Endpoint, EndpointConfig, TransferError
+
+    fabric = FakeFabric()
+    cfg = EndpointConfig(full_bytes=16 * 1024, small_bytes=1024, request_timeout=10.0)
+    src = {0: torch.arange(8 * 64, dtype=torch.float32).view(8, 64)}
+    dst = {0: torch.zeros(8, 64)}
+    ta = NixlTransport(agent_factory=fabric.factory, write_timeout=0.2)
+    tb = NixlTransport(agent_factory=fabric.factory, write_timeout=0.2)
+    async with Endpoint(0, src, ta, cfg) as a, Endpoint(1, dst, tb, cfg) as b:
+        await b.connect(a.address)
+        a.publish("k", 3)
+        await b.load({0: {0: {"k": 5}}})
+        fabric.hold_copies = True
+        with pytest.raises(TransferError, match="did not finish"):
+            await b.load({0: {0: {"k": 6}}})
+        stuck = [h for _, h in ta._stuck.values()]
+        assert len(stuck) == 1 and not stuck[0].released and ta.agent.errors == []
+        fabric.hold_copies = False
+        ta.agent.finish()                       # the copy finally lands
+        with anyio.fail_after(5):
+            while ta._stuck:
+                await anyio.sleep(0.01)         # the poller sees it terminal
+        assert ta.agent.released.count(stuck[0]) == 1 and ta.agent.errors == []
+        await b.load({0: {0: {"k": 7}}})
+        assert torch.equal(dst[0][7], src[0][3])

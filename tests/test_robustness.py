@@ -10,7 +10,8 @@ import anyio
 import pytest
 import torch
 
-from xavier_async import Endpoint, EndpointConfig, LocalFabric, LocalTransport, RemoteError, protocol
+from xavier_async import (Endpoint, EndpointConfig, LocalFabric, LocalTransport, RemoteError,
+                          TransferError, protocol)
 from xavier_async.testing import FaultyTransport
 
 from .conftest import assert_same_bytes, random_cache, zero_cache
@@ -152,3 +153,80 @@ async def test_a_key_unpublished_while_its_serve_waits_is_not_served():
             t.go.set()
         assert out and "not published" in str(out[0])
         assert torch.equal(dst[0][6], torch.zeros(64, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["queued", "inline"])
+async def test_a_pack_failure_is_a_transfer_error_and_the_source_keeps_serving(monkeypatch, inline):
+    """Anything raised while packing (a CUDA out-of-memory, a kernel error) after the
+    machine advanced: the loader gets a TransferError at once (not a timeout), the
+    channel starts over with no stale mapping, and the next loads are served."""
+    import xavier_async.endpoint as endpoint_module
+    real_pack = endpoint_module.pack
+    calls = {"n": 0}
+
+    def flaky_pack(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device out of memory (injected)")
+        return real_pack(*args, **kwargs)
+
+    monkeypatch.setattr(endpoint_module, "pack", flaky_pack)
+    fabric = LocalFabric()
+    src = {0: random_cache(8, (16,), torch.float32, 1)}
+    dst = {0: zero_cache(8, (16,), torch.float32)}
+    cfg = EndpointConfig(full_bytes=4096, small_bytes=1024, request_timeout=30.0)
+    make = _InlineLocal if inline else LocalTransport
+    async with Endpoint(0, src, make(fabric), cfg) as a, Endpoint(1, dst, make(fabric), cfg) as b:
+        await b.connect(a.address)
+        a.publish("k", 2)
+        await b.load({0: {0: {"k": 1}}})                # maps the full view
+        with anyio.fail_after(5):                         # an error reply, not a request timeout
+            with pytest.raises(TransferError, match="packing"):
+                await b.load({0: {0: {"k": 5}}})
+        await anyio.wait_all_tasks_blocked()
+        assert a.channel(1).mapped == {}                  # no mapping the transport dropped
+        assert not a.transport._mappings.get(1)
+        for slot in (3, 4, 6):                            # served again, through fresh mappings
+            await b.load({0: {0: {"k": slot}}})
+            assert_same_bytes(dst[0][slot], src[0][2])
+        assert a.metrics.peer(1).failures == 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_native_cancel_during_the_request_send_sends_it_once():
+    """A Task.cancel() that gets through the shield while the request is being sent: the
+    request is not sent a second time (a second copy could land after the first resolved)."""
+    import asyncio
+    sent = []
+
+    class CancelDuringSend(LocalTransport):
+        cancel_once = False
+
+        async def send(self, peer: int, msg: bytes) -> None:
+            if msg[:3] == b"XAL":
+                sent.append(msg)
+            other = self._peer(peer)
+            assert other.host is not None and self.host is not None
+            other.host.deliver(self.host.rank, msg)
+            if self.cancel_once:
+                self.cancel_once = False
+                task = asyncio.current_task()
+                assert task is not None
+                task.cancel()
+            await anyio.lowlevel.checkpoint()
+
+    fabric = LocalFabric()
+    src = {0: random_cache(8, (16,), torch.float32, 1)}
+    dst = {0: zero_cache(8, (16,), torch.float32)}
+    cfg = EndpointConfig(full_bytes=4096, small_bytes=1024)
+    tb = CancelDuringSend(fabric)
+    async with Endpoint(0, src, LocalTransport(fabric), cfg) as a, Endpoint(1, dst, tb, cfg) as b:
+        await b.connect(a.address)
+        a.publish("k", 2)
+        tb.cancel_once = True
+        with pytest.raises(asyncio.CancelledError):
+            await b.load({0: {0: {"k": 5}}})
+        await anyio.wait_all_tasks_blocked()
+        assert len(sent) == 1 and a.metrics.peer(1).batches_sent == 1
+        await b.load({0: {0: {"k": 6}}})
+        assert_same_bytes(dst[0][6], src[0][2])

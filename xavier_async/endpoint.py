@@ -173,6 +173,8 @@ class Endpoint:
         self._recv_lock = anyio.Lock(fast_acquire=True)
         self._inflight = 0
         self._serving = False
+        #: requests handed to the serve queue and not yet served (the inline path waits)
+        self._queued = 0
         self._unpacked: torch.cuda.Event | None = None
         self._idle: anyio.Event | None = None
         self._state = "new"   # new -> open -> closing -> closed
@@ -590,7 +592,9 @@ class Endpoint:
                 async def request_and_wait() -> None:
                     nonlocal sent
                     if not sent:
-                        t_post = perf_counter_ns()
+                        # marked before awaiting: a native cancellation that gets through
+                        # the shield during the send must not send the request twice
+                        t_post = sent = perf_counter_ns()
                         try:
                             await self.transport.send(src, msg)
                         except XavierError as exc:
@@ -715,8 +719,7 @@ class Endpoint:
         if isinstance(parsed, Refuse):
             self._spawn_reply(peer, parsed.req_id, parsed.error)
             return
-        if (inline and self._state == "open" and not self._serving and self._inbox is not None
-                and not self._inbox.statistics().current_buffer_used):
+        if inline and self._state == "open" and not self._queued and self._inbox is not None:
             ch = self._channels.get(peer)
             if ch is not None:
                 t_lookup = perf_counter_ns()
@@ -738,6 +741,7 @@ class Endpoint:
         if self._inbox is not None:
             try:
                 self._inbox.send_nowait((peer, parsed, arrived))
+                self._queued += 1  # until served: later requests may not overtake it
                 return
             except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
@@ -751,11 +755,16 @@ class Endpoint:
         plan = ch.commit(load.payload, ready.view, load.useful, load.slab)
         assert self.send_slab is not None
         t_pack = perf_counter_ns()
-        event = pack(self._send_rows, load.segments, ready.slot_lists, self._cache_table,
-                     self._device_runs)
-        if event is not None:  # NIXL does not order against CUDA streams
-            event.synchronize()
-        digest = payload_digest(self.send_slab.tensor, load.payload) if load.verify else None
+        try:
+            event = pack(self._send_rows, load.segments, ready.slot_lists, self._cache_table,
+                         self._device_runs)
+            if event is not None:  # NIXL does not order against CUDA streams
+                event.synchronize()
+            digest = payload_digest(self.send_slab.tensor, load.payload) if load.verify else None
+        except Exception as exc:  # the machine advanced but nothing was posted: start over
+            ch.metrics.failures += 1
+            ch.reset_now()
+            raise TransferError(f"packing a batch for rank {ch.peer} failed: {exc!r}") from exc
         posted = perf_counter_ns()
         self._stages.pack.record(posted - t_pack)
         pending = ch.post(plan, Landed(load.req_id, plan.wire_bytes, digest).to_wire())
@@ -812,7 +821,10 @@ class Endpoint:
         async with inbox:
             async for peer, parsed, arrived in inbox:
                 self._stages.queue.record(perf_counter_ns() - arrived)
-                await self._serve_queued(peer, parsed)
+                try:
+                    await self._serve_queued(peer, parsed)
+                finally:
+                    self._queued -= 1
 
     async def _serve_queued(self, peer: int, load: ParsedLoad) -> None:
         """Serve a request that may need awaiting: a view to map, the send slab to wait for."""
@@ -856,6 +868,10 @@ class Endpoint:
                         self._stages.post_to_done.record(perf_counter_ns() - posted)
             except XavierError as exc:
                 await self._reply_error(peer, load.req_id, exc)
+            except Exception as exc:  # never let one request stop the serve loop
+                log.exception("rank %d: serving rank %d failed", self.rank, peer)
+                await self._reply_error(peer, load.req_id,
+                                        TransferError(f"rank {self.rank} failed serving: {exc!r}"))
         finally:
             self._serving = False
             self._leave_work()

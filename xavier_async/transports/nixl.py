@@ -506,9 +506,10 @@ class NixlTransport(Transport):
             for rank in list(self._peers):
                 await self.disconnect(rank)
             if self.agent is not None:
-                for _, h in self._stuck.values():
-                    self._release_handle(h)
+                stuck = list(self._stuck.values())
                 self._stuck.clear()
+                for _, h in stuck:
+                    self._release_handle(h)
                 for reg in self._reg:
                     try:
                         self._agent.deregister_memory(reg)
@@ -729,6 +730,8 @@ class NixlTransport(Transport):
     def _release_handle(self, h: Any) -> None:
         if id(h) in self._in_flight:  # still posted: released when its copy is terminal
             self._release_later[id(h)] = h
+            return
+        if id(h) in self._stuck:  # timed out but maybe still posted: _check_stuck releases it
             return
         try:
             self._agent.release_xfer_handle(h)
