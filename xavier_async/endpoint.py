@@ -172,7 +172,6 @@ class Endpoint:
         self._send_free = anyio.Semaphore(1, fast_acquire=True)
         self._recv_lock = anyio.Lock(fast_acquire=True)
         self._inflight = 0
-        self._serving = False
         #: requests handed to the serve queue and not yet served (the inline path waits)
         self._queued = 0
         self._unpacked: torch.cuda.Event | None = None
@@ -829,7 +828,6 @@ class Endpoint:
     async def _serve_queued(self, peer: int, load: ParsedLoad) -> None:
         """Serve a request that may need awaiting: a view to map, the send slab to wait for."""
         self._inflight += 1
-        self._serving = True
         try:
             try:
                 if self._state != "open":
@@ -873,7 +871,6 @@ class Endpoint:
                 await self._reply_error(peer, load.req_id,
                                         TransferError(f"rank {self.rank} failed serving: {exc!r}"))
         finally:
-            self._serving = False
             self._leave_work()
 
     # -- diagnostics --------------------------------------------------------------------
