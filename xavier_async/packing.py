@@ -290,62 +290,111 @@ def run_host(table: RunTable) -> None:
 
 class DeviceRuns:
     """Executes run tables on one CUDA device: one fused launch per table (a Triton kernel
-    over a device-resident ``[runs, 3]`` table of addresses, each program copying one
-    chunk), on a private stream, and returns an event recorded after it. Nothing here
-    synchronizes the device or any stream: callers wait on the event (the source, before
-    posting the WRITE) or make a stream wait on it (the receiver, stream-ordered)."""
+    over a ``[runs, 3]`` table of addresses, each program copying one chunk) on the
+    current stream of the device (or ``stream``), and returns an event recorded after it.
+    Nothing here synchronizes the device or any stream: callers wait on the event (the
+    source, before posting the WRITE) or make a stream wait on it (the receiver,
+    stream-ordered).
+
+    The host side is kept to a few microseconds (measured on an H200 host: 147 us a
+    launch through the generic route, 25 us this way): the table is written with numpy
+    into one of :attr:`RING` pinned host buffers that the kernel reads in place (no
+    upload), the compiled kernel is launched directly after its first launch, and each
+    buffer's event is reused. A buffer is rewritten only after the launch that read it
+    has completed, so the event returned by :meth:`run` may later be recorded again, for
+    later work on the same stream: waiting on it then waits for more, never for less."""
 
     #: bytes per program (runs longer than this are split)
     CHUNK = 64 * 1024
+    #: pinned table buffers used in turn
+    RING = 8
 
     def __init__(self, device: torch.device, stream: Any | None = None) -> None:
-        from . import _triton_runs  # noqa: F401 - fail here, at construction, if unusable
+        import numpy  # noqa: PLC0415 - only the device path needs it
+
+        from ._triton_runs import Launcher  # fail here, at construction, if unusable
+        self._np = numpy
         self.device = device
         self.stream = stream
-        self._host: torch.Tensor | None = None
-        self._dev: torch.Tensor | None = None
-        self._staged: Any | None = None
+        self._launch = Launcher()
+        self._cuda = device.type == "cuda"
+        self._tables: list[torch.Tensor | None] = [None] * self.RING
+        self._events: list[Any | None] = [None] * self.RING
+        self._turn = 0
+        #: the current stream last seen: (raw handle, torch stream)
+        self._current: tuple[int, Any] | None = None
 
-    def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._host is None or self._host.shape[0] < rows:
+    def _table(self, i: int, rows: int) -> torch.Tensor:
+        """Buffer ``i`` with room for ``rows`` rows, its last reader done."""
+        ev = self._events[i]
+        if ev is not None:
+            ev.synchronize()  # nearly always complete already
+        t = self._tables[i]
+        if t is None or t.shape[0] < rows:
             cap = max(256, 1 << (rows - 1).bit_length())
-            pin = self.device.type == "cuda"
-            self._host = torch.empty((cap, 3), dtype=torch.int64, pin_memory=pin)
-            self._dev = torch.empty((cap, 3), dtype=torch.int64, device=self.device)
-        assert self._dev is not None
-        return self._host, self._dev
+            t = self._tables[i] = torch.empty((cap, 3), dtype=torch.int64, pin_memory=self._cuda)
+        return t
+
+    def _stream(self) -> tuple[int, Any]:
+        """(raw handle, torch stream) of the stream to launch on."""
+        if self.stream is not None:
+            return self.stream.cuda_stream, self.stream
+        raw = _current_raw_stream(self.device)
+        cur = self._current
+        if cur is None or cur[0] != raw:
+            s = torch.cuda.current_stream(self.device)
+            cur = self._current = (s.cuda_stream, s)
+        return cur
 
     def run(self, table: RunTable) -> Any:
         """Launch the copy; returns the event recorded after it (None on the CPU)."""
-        from ._triton_runs import launch
-        chunk = self.CHUNK
         dst, src, ns = table
-        rows: list[tuple[int, int, int]] = []
-        for d, s, n in zip(dst, src, ns):
-            off = 0
-            while off < n:
-                m = min(chunk, n - off)
-                rows.append((s + off, d + off, m))
-                off += m
-        if not rows:
+        n = len(ns)
+        if not n:
             return None
-        if self._staged is not None:  # the staging buffer's last upload has been read
-            self._staged.synchronize()
-        host, dev = self._buffers(len(rows))
-        host[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
-        cuda = self.device.type == "cuda"
-        stream = (self.stream or torch.cuda.current_stream(self.device)) if cuda else None
-        if cuda:
-            with torch.cuda.stream(stream):
-                dev[: len(rows)].copy_(host[: len(rows)], non_blocking=True)
-                launch(dev, len(rows), rows, chunk)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(stream)
-            self._staged = event
-            return event
-        dev[: len(rows)].copy_(host[: len(rows)])
-        launch(dev, len(rows), rows, chunk)
-        return None
+        np, chunk = self._np, self.CHUNK
+        i = self._turn
+        self._turn = (i + 1) % self.RING
+        if max(ns) <= chunk:
+            t = self._table(i, n)
+            a = t.numpy()
+            a[:n, 0] = src
+            a[:n, 1] = dst
+            a[:n, 2] = ns
+            rows = n
+        else:  # split long runs into chunks, one program each
+            s64, d64, n64 = (np.asarray(x, dtype=np.int64) for x in (src, dst, ns))
+            pieces = (n64 + chunk - 1) // chunk
+            rows = int(pieces.sum())
+            which = np.repeat(np.arange(n), pieces)
+            off = (np.arange(rows) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * chunk
+            t = self._table(i, rows)
+            a = t.numpy()
+            a[:rows, 0] = s64[which] + off
+            a[:rows, 1] = d64[which] + off
+            a[:rows, 2] = np.minimum(n64[which] - off, chunk)
+        wide = not int(np.bitwise_or.reduce(a[:rows], axis=None)) & 15
+        if not self._cuda:  # Triton's interpreter (the CPU tests)
+            self._launch(t, rows, wide, chunk, None)
+            return None
+        handle, stream = self._stream()
+        if not self._launch(t, rows, wide, chunk, handle):
+            with torch.cuda.stream(stream):  # the generic launch uses the current stream
+                self._launch(t, rows, wide, chunk, None)
+        ev = self._events[i]
+        if ev is None:
+            ev = self._events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(stream)
+        return ev
+
+
+def _current_raw_stream(device: torch.device) -> int:
+    """The raw handle of the device's current CUDA stream, cheaply where torch allows."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if get is not None:
+        return int(get(index))
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 def pack(slab: SlabRows, segments: Sequence[Segment], slot_lists: Sequence[Sequence[int]],
