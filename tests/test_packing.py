@@ -185,6 +185,25 @@ def test_scattered_slots_are_memmoved_not_indexed(monkeypatch):
     _assert_bytes(dst, _expected(before, src, request))
 
 
+def test_many_runs_in_every_layer_build_the_same_table_vectorized(monkeypatch):
+    """The same 48 scattered slots in every layer (different block sizes): the numpy-built
+    table equals the loop-built one, and the bytes equal the block-by-block reference."""
+    shapes = {0: (200, 2, 8, 4), 1: (200, 3, 5), 2: (200, 64)}
+    src = _caches(shapes, torch.bfloat16, True, seed=4)
+    dst = _caches(shapes, torch.bfloat16, False)
+    before = {k: v.clone() for k, v in dst.items()}
+    blocks = {k: (k * 37) % 199 for k in range(48)}
+    request = {7: {layer: dict(blocks) for layer in shapes}}
+    (batch,) = _run_tables_roundtrip(src, dst, request, full=1 << 16)
+    assert batch.shape is not None
+    table = packing.CacheTable(packing.byte_rows(dst))
+    vectorized = packing.unpack_table(4096, batch, table)
+    monkeypatch.setattr(packing, "_VECTOR_RUNS", 10**9)
+    assert packing.unpack_table(4096, batch, table) == vectorized
+    assert len(vectorized[0]) == 3 * 48                 # one run per block: all scattered
+    _assert_bytes(dst, _expected(before, src, request))
+
+
 def test_consecutive_slots_become_one_run_per_layer():
     shapes = {i: (96, 64) for i in range(4)}
     dst = _caches(shapes, torch.uint8, False)

@@ -225,6 +225,12 @@ def unpack_table(slab_ptr: int, batch: Any, caches: CacheTable) -> RunTable:
                 src.append(slab_ptr + o)
                 ns.append(bn)
             return dst, src, ns
+        if len(set(shape.starts)) == 1 and len(set(shape.counts)) == 1:
+            s0, c0 = shape.starts[0], shape.counts[0]
+            same = _slot_runs(slots[s0:s0 + c0])
+            if len(same) > _VECTOR_RUNS:  # many runs in every layer: one vectorized pass
+                return _uniform_table(same, [base[layer] for layer in shape.layers],
+                                      [slab_ptr + o for o in shape.offsets], shape.block_nbytes)
         runs_of: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for layer, s, c, o, bn in zip(shape.layers, shape.starts, shape.counts, shape.offsets,
                                       shape.block_nbytes):
@@ -250,6 +256,24 @@ def unpack_table(slab_ptr: int, batch: Any, caches: CacheTable) -> RunTable:
                 src.append(p + row * bn)
                 ns.append(bn)
     return dst, src, ns
+
+
+#: a uniform batch with more runs per layer than this builds its table with numpy
+_VECTOR_RUNS = 16
+
+
+def _uniform_table(rs: list[tuple[int, int, int]], bases: list[int], slab_at: list[int],
+                   block_nbytes: Sequence[int]) -> RunTable:
+    """The same runs ``rs`` in every layer (layer ``i``: cache base ``bases[i]``, its
+    segment at ``slab_at[i]``, blocks of ``block_nbytes[i]``), as one numpy pass."""
+    import numpy as np  # noqa: PLC0415 - only scattered batches get here
+
+    r = np.asarray(rs, dtype=np.int64)
+    bn = np.asarray(block_nbytes, dtype=np.int64)[:, None]
+    dst = np.asarray(bases, dtype=np.int64)[:, None] + r[:, 1] * bn
+    src = np.asarray(slab_at, dtype=np.int64)[:, None] + r[:, 0] * bn
+    n = np.broadcast_to(r[:, 2] * bn, dst.shape)
+    return dst.ravel().tolist(), src.ravel().tolist(), n.ravel().tolist()
 
 
 def pack_table(slab_ptr: int, segments: Sequence[Segment], slot_lists: Sequence[Sequence[int]],
