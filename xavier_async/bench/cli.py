@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the floor, four channel-copy cases (always full, alternating "
                                    "under size-only selection and under the streak machine, sustained "
                                    "small), end-to-end loads, "
-                                   "a serving-trace replay, the decision cost and memory growth.")
+                                   "a serving-trace replay, the decision cost, memory growth and "
+                                   "serving load (two sources, 16 loads in flight).")
     b.add_argument("--transport", choices=("nixl", "local"), default="nixl",
                    help="nixl: peer in a child process over real NIXL (default); local: in-process")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--no-pin", dest="pin", action="store_const", const=False,
                      help="do not pin (the default on CUDA machines)")
     b.add_argument("--quick", action="store_true", help="small counts (CI); same sections")
+    b.add_argument("--no-serving", dest="serving", action="store_false",
+                   help="skip the serving-load section (two source processes, 16 loads in flight)")
     b.add_argument("--soak", type=_positive, metavar="N",
                    help="instead of the sections: N loads over NIXL between processes with "
                         "injected faults, cancellations and a peer restart, every byte checked")
@@ -134,7 +137,7 @@ def _bench(args: argparse.Namespace) -> int:
                             small_bytes=args.small, copies=args.copies, loads=args.loads,
                             trace_batches=args.trace_batches, trace_large=args.trace_large,
                             alloc_copies=args.alloc_copies, seed=args.seed, quick=args.quick,
-                            pin_cpus=args.pin, compare=args.compare)
+                            pin_cpus=args.pin, compare=args.compare, serving=args.serving)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2
@@ -147,7 +150,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     console = _console()
     sections = ["floor", "seed cases", "end-to-end loads", "trace replay", "trace as loads",
-                "decision cost", "memory growth"] + (["xoscar compare"] if opts.compare else [])
+                "decision cost", "memory growth"] + (["serving load"] if opts.serving else []) \
+        + (["xoscar compare"] if opts.compare else [])
     if console is not None:
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -248,6 +252,9 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
     xo = r.get("compare", {}).get("xoscar")
     if xo is not None:
         tables.append(_compare_rows(sc, xo))
+    if "serving" in r:
+        from .serving import serving_tables
+        tables.extend(serving_tables(r["serving"]))
     return tables
 
 
@@ -327,7 +334,9 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
     sc, fl, tr = r["seed_cases"], r["floor"], r["trace"]
     staged = {k: v["stages"] for k, v in r["e2e_loads"].items() if v.get("stages")}
-    fig, axes = plt.subplots(1, 3 if staged else 2, figsize=(19 if staged else 13, 5))
+    serving = r.get("serving") if "runs" in r.get("serving", {}) else None
+    n = 2 + bool(staged) + bool(serving)
+    fig, axes = plt.subplots(1, n, figsize=((19 if staged else 13) + (6.5 if serving else 0), 5))
     ax1, ax2 = axes[0], axes[1]
     names = ["floor full", "floor small", "always full", "alt. size-only", "alt. streak",
              "sustained small"]
@@ -365,6 +374,9 @@ def plot(r: dict[str, Any], path: Path) -> None:
     ax2.legend()
     if staged:
         _stacked_stages(axes[2], staged, fl["small"]["median_us"])
+    if serving:
+        from .serving import plot_serving
+        plot_serving(axes[-1], serving)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
