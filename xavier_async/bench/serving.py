@@ -14,8 +14,9 @@ the config has those fields (an engine without slab pools runs K=1 in both colum
 Per run, phases (each with its own destination slots, all checked byte for byte after
 the phase, outside the timings):
 
-* warm-up: the start of the trace and a round of concurrent small loads (views mapped on
-  every slab); registrations and RSS of all three processes are sampled after it;
+* warm-up: a round of large loads all in flight at once, the start of the trace and a
+  round of concurrent small loads (both views used on every slab, from both sources);
+  registrations and RSS of all three processes are sampled after it;
 * unloaded: the trace's small loads alone, one at a time (latency p50/p99);
 * mixed: the whole trace, 16 in flight (useful GB/s, loads/s, small-load p50/p99);
 * concurrent small: the trace's small loads, 16 in flight (loads/s);
@@ -110,8 +111,12 @@ def phase_loads(o: BenchOptions, src_layout: LayoutSpec) -> dict[str, list[Load]
     """The loads of each phase, in the order they run (the same for every K)."""
     mixed = trace_loads(o, src_layout)
     small = [x for x in mixed if not x.large]
-    return {"warm": mixed[: 2 * CONCURRENCY] + small[:CONCURRENCY], "unloaded": small, "mixed": mixed,
-            "concurrent_small": small, "large_stream": large_stream(16 if o.quick else 32, src_layout)}
+    stream = large_stream(16 if o.quick else 32, src_layout)
+    # warm-up: a whole round of large loads in flight at once (every slab takes a full
+    # copy from both sources), then the start of the trace and a round of small loads
+    warm = stream[:CONCURRENCY] + mixed[: 2 * CONCURRENCY] + small[:CONCURRENCY]
+    return {"warm": warm, "unloaded": small, "mixed": mixed, "concurrent_small": small,
+            "large_stream": stream}
 
 
 def slots_needed(loads: Sequence[Load]) -> int:
