@@ -164,6 +164,18 @@ def test_slab_counts_reach_the_config_only_where_the_engine_has_them():
     assert counts["send_slabs"] == (3 if "send_slabs" in have else 1)
 
 
+def test_serving_flags(capsys):
+    """--no-serving and --only-serving exclude each other; --only-serving needs NIXL (it
+    fails before starting anything with the local transport)."""
+    from xavier_async.bench.cli import main
+    assert build_parser().parse_args(["bench"]).serving
+    assert not build_parser().parse_args(["bench", "--no-serving"]).serving
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--no-serving", "--only-serving"])
+    assert main(["bench", "--only-serving", "--transport", "local"]) == 2
+    assert "over NIXL" in capsys.readouterr().err
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError):
         BenchOptions(transport="tcp")

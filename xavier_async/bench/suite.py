@@ -589,8 +589,8 @@ def _fill_send_slab(ep: Endpoint, seed: int) -> None:
                                             dtype=torch.uint8))
 
 
-async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Run every section; return one JSON-able dict."""
+def use_device(o: BenchOptions) -> str:
+    """Set this process up for the run's device (returned: ``cpu`` or ``cuda``)."""
     device = o.resolved_device()
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -598,6 +598,12 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         # Both endpoints poll NIXL on their event loop; torch's intra-op threads on top of
         # that oversubscribe a small CPU machine and turn microseconds into timeslices.
         torch.set_num_threads(1)
+    return device
+
+
+async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run every section; return one JSON-able dict."""
+    device = use_device(o)
 
     async def body(rig: Rig) -> dict[str, Any]:
         t0 = time.perf_counter()
