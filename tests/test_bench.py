@@ -187,17 +187,31 @@ def test_options_are_validated():
         build_parser().parse_args(["bench", "--full", "lots"])
 
 
-def test_local_transport_bench_runs_in_process():
-    """The in-process variant (memcpy floor) goes through the same sections."""
+def test_local_transport_bench_runs_in_process(monkeypatch):
+    """The in-process variant (memcpy floor) goes through the same sections; a failing
+    serving section is reported without losing them."""
     import anyio
 
-    from xavier_async.bench import run
+    from xavier_async.bench import run, serving
+
+    async def broken(o):
+        raise AssertionError("blocks from rank 2 layer 1 differ")
+    monkeypatch.setattr(serving, "serving", broken)
     o = BenchOptions(transport="local", full_bytes=FULL, small_bytes=SMALL, quick=True, copies=20,
                      loads=10, trace_batches=30, trace_large=3, alloc_copies=60)
     r = anyio.run(run, o)
     assert r["environment"]["transport"] == "local" and r["floor"]["kind"] == "memcpy"
     assert r["seed_cases"]["sustained_small"]["wire_bytes"] == 20 * SMALL
     assert r["trace"]["trimmed_streak"]["wire_over_useful"] <= 1.02
+    assert r["serving"] == {"error": "AssertionError: blocks from rank 2 layer 1 differ"}
+
+
+def test_serving_section_needs_nixl():
+    import anyio
+
+    from xavier_async.bench.serving import serving, serving_tables
+    s = anyio.run(serving, BenchOptions(transport="local"))
+    assert "NIXL" in s["skipped"] and serving_tables(s)[0][2] == ["skipped"]
 
 
 def test_the_installed_command_is_the_bench_cli():

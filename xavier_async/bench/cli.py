@@ -175,6 +175,9 @@ def _bench(args: argparse.Namespace) -> int:
     if xo is not None and "error" in xo:
         print(f"--compare xoscar failed: {xo['error']}", file=sys.stderr)
         return 1
+    if "error" in result.get("serving", {}):
+        print(f"the serving-load section failed: {result['serving']['error']}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -336,8 +336,9 @@ def serving_targets(s: dict[str, Any], full_bytes: int) -> dict[str, dict[str, A
 # -- report -------------------------------------------------------------------------------------
 def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
     """(title, rows, header) for the report: K=1 and default K side by side, the targets."""
-    if "skipped" in s:
-        return [("Serving load", [[s["skipped"]]], ["skipped"])]
+    for why in ("skipped", "error"):
+        if why in s:
+            return [("Serving load", [[s[why]]], [why])]
     k1, d = s["runs"]["k1"], s["runs"]["default"]
 
     def row(label: str, get: Callable[[dict[str, Any]], Any], fmt: str = "{:.1f}") -> list[str]:

@@ -639,7 +639,11 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         # after the rig is closed: three processes of its own (loader and two sources)
         from .serving import serving
         report("serving load")
-        res["serving"] = await serving(o)
+        try:
+            res["serving"] = await serving(o)
+        except Exception as exc:  # a wrong byte included: reported, and the command fails,
+            # without losing the sections above
+            res["serving"] = {"error": f"{type(exc).__name__}: {exc}"}
     if o.compare == "xoscar":
         # After our rig is closed (its peer process gone), so the anchor runs on a quiet
         # machine; its ratios are against the floor measured above.
