@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from xavier_async.bench import BenchOptions, bench_layout, make_trace, trace_payload
 from xavier_async.bench.cli import build_parser
@@ -44,7 +45,7 @@ def test_the_command_line_keeps_nixl_quiet_unless_verbose(monkeypatch):
 
 def test_json_has_every_section_and_environment(report):
     for key in ("options", "environment", "floor", "seed_cases", "e2e_loads", "trace", "decision",
-                "memory", "floor_after", "metrics", "peer_metrics", "targets"):
+                "memory", "floor_after", "metrics", "peer_metrics", "targets", "serving"):
         assert key in report, key
     env = report["environment"]
     assert env["transport"] == "nixl" and env["memory"] == "DRAM" and env["device"] == "cpu"
@@ -93,6 +94,88 @@ def test_trace_bytes_are_consistent(report):
     assert report["e2e_loads"]["small"]["bytes_verified"] and report["e2e_loads"]["large"]["bytes_verified"]
 
 
+def test_serving_section_checks_every_load_and_registers_nothing_after_warm_up(report):
+    """Three processes, 16 loads in flight, K=1 and the default K: every phase's loads
+    were checked block for block (a wrong byte fails the run), nothing was registered
+    after warm-up in any process, and the figures are the ones the report prints."""
+    from xavier_async.bench.serving import phase_loads
+
+    s, o = report["serving"], BenchOptions(**{k: v for k, v in report["options"].items()})
+    phases = phase_loads(o, bench_layout(o.full_bytes))
+    assert s["concurrency"] == 16 and set(s["runs"]) == {"k1", "default"}
+    assert s["trace"]["loads"] == o.trace_batches and s["trace"]["large"] == o.trace_large
+    for name, r in s["runs"].items():
+        assert r["bytes_checked"]["ok"]
+        assert r["bytes_checked"]["loads"] == sum(len(p) for p in phases.values())
+        assert r["bytes_checked"]["blocks"] == sum(x.blocks for p in phases.values() for x in p)
+        assert r["registrations_after_warmup"] == {"loader": 0, "source1": 0, "source2": 0}, name
+        assert set(r["rss_growth_bytes"]) == {"loader", "source1", "source2"}
+        assert r["unloaded_small"]["n"] == len(phases["unloaded"])
+        assert r["mixed"]["small"]["n"] + r["mixed"]["large"]["n"] == o.trace_batches
+        assert r["mixed"]["useful_bytes"] == s["trace"]["useful_bytes"]
+        layout = bench_layout(o.full_bytes)  # a large load: every published block, all layers
+        per_load = layout.num_slots // 2 * layout.layers * layout.block_nbytes
+        assert o.full_bytes - layout.layers * layout.block_nbytes < per_load <= o.full_bytes
+        assert r["large_stream"]["useful_bytes"] == len(phases["large_stream"]) * per_load
+        assert r["mixed"]["small"]["p99_us"] >= r["mixed"]["small"]["p50_us"] > 0
+    assert s["runs"]["k1"]["receive_slabs"] == s["runs"]["k1"]["send_slabs"] == 1
+    for key in ("small_p99_mixed_vs_unloaded_p50", "concurrent_small_loads_per_s_vs_k1",
+                "large_stream_vs_raw_full_copy", "serving_registrations_after_warmup",
+                "serving_rss_growth_bytes", "serving_bytes_checked"):
+        assert key in s["targets"], key
+    assert s["targets"]["serving_registrations_after_warmup"]["met"]
+    assert s["targets"]["serving_bytes_checked"]["met"]
+
+
+def test_serving_byte_check_names_a_wrong_block():
+    """The serving section's check fails on one flipped byte in one destination slot."""
+    from xavier_async.bench.serving import Load, check_phase, requests_for
+    from xavier_async.testing.peer_process import LayoutSpec, pattern_caches, zero_caches
+
+    spec = LayoutSpec(layers=3, num_slots=8, block_shape=(4, 8), dtype="bfloat16")
+    expected = {1: pattern_caches(spec, 1, 0), 2: pattern_caches(spec, 2, 0)}
+    reqs = requests_for([Load(1, (5, 2), (0, 2), False), Load(2, (7,), (0, 1, 2), False)])
+    caches = zero_caches(spec)
+    for req in reqs:
+        for src, layers in req.items():
+            for layer, blocks in layers.items():
+                for key, slot in blocks.items():
+                    caches[layer][slot] = expected[src][layer][key]
+    assert check_phase(caches, reqs, expected) == 2 * 2 + 3
+    caches[1][2].view(-1).view(torch.uint8)[5] ^= 1      # Load(2)'s block 7, layer 1, slot 2
+    with pytest.raises(AssertionError, match="rank 2 layer 1"):
+        check_phase(caches, reqs, expected)
+
+
+def test_slab_counts_reach_the_config_only_where_the_engine_has_them():
+    """K goes to EndpointConfig as receive_slabs/send_slabs when those fields exist (an
+    engine with slab pools), and is dropped otherwise (K=1 is then the only design)."""
+    from dataclasses import fields
+
+    from xavier_async import EndpointConfig
+    from xavier_async.bench.serving import config_for, config_kwargs, slab_counts
+    have = {f.name for f in fields(EndpointConfig)}
+    kw = config_kwargs(3, full_bytes=FULL)
+    assert kw["full_bytes"] == FULL
+    assert {n for n in ("receive_slabs", "send_slabs") if n in kw} == have & {"receive_slabs", "send_slabs"}
+    assert config_kwargs(None, full_bytes=FULL) == {"full_bytes": FULL}
+    counts = slab_counts(config_for(3, full_bytes=FULL))
+    assert counts["receive_slabs"] == (3 if "receive_slabs" in have else 1)
+    assert counts["send_slabs"] == (3 if "send_slabs" in have else 1)
+
+
+def test_serving_flags(capsys):
+    """--no-serving and --only-serving exclude each other; --only-serving needs NIXL (it
+    fails before starting anything with the local transport)."""
+    from xavier_async.bench.cli import main
+    assert build_parser().parse_args(["bench"]).serving
+    assert not build_parser().parse_args(["bench", "--no-serving"]).serving
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--no-serving", "--only-serving"])
+    assert main(["bench", "--only-serving", "--transport", "local"]) == 2
+    assert "over NIXL" in capsys.readouterr().err
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError):
         BenchOptions(transport="tcp")
@@ -104,17 +187,31 @@ def test_options_are_validated():
         build_parser().parse_args(["bench", "--full", "lots"])
 
 
-def test_local_transport_bench_runs_in_process():
-    """The in-process variant (memcpy floor) goes through the same sections."""
+def test_local_transport_bench_runs_in_process(monkeypatch):
+    """The in-process variant (memcpy floor) goes through the same sections; a failing
+    serving section is reported without losing them."""
     import anyio
 
-    from xavier_async.bench import run
+    from xavier_async.bench import run, serving
+
+    async def broken(o):
+        raise AssertionError("blocks from rank 2 layer 1 differ")
+    monkeypatch.setattr(serving, "serving", broken)
     o = BenchOptions(transport="local", full_bytes=FULL, small_bytes=SMALL, quick=True, copies=20,
                      loads=10, trace_batches=30, trace_large=3, alloc_copies=60)
     r = anyio.run(run, o)
     assert r["environment"]["transport"] == "local" and r["floor"]["kind"] == "memcpy"
     assert r["seed_cases"]["sustained_small"]["wire_bytes"] == 20 * SMALL
     assert r["trace"]["trimmed_streak"]["wire_over_useful"] <= 1.02
+    assert r["serving"] == {"error": "AssertionError: blocks from rank 2 layer 1 differ"}
+
+
+def test_serving_section_needs_nixl():
+    import anyio
+
+    from xavier_async.bench.serving import serving, serving_tables
+    s = anyio.run(serving, BenchOptions(transport="local"))
+    assert "NIXL" in s["skipped"] and serving_tables(s)[0][2] == ["skipped"]
 
 
 def test_the_installed_command_is_the_bench_cli():

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the floor, four channel-copy cases (always full, alternating "
                                    "under size-only selection and under the streak machine, sustained "
                                    "small), end-to-end loads, "
-                                   "a serving-trace replay, the decision cost and memory growth.")
+                                   "a serving-trace replay, the decision cost, memory growth and "
+                                   "serving load (two sources, 16 loads in flight).")
     b.add_argument("--transport", choices=("nixl", "local"), default="nixl",
                    help="nixl: peer in a child process over real NIXL (default); local: in-process")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -66,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--no-pin", dest="pin", action="store_const", const=False,
                      help="do not pin (the default on CUDA machines)")
     b.add_argument("--quick", action="store_true", help="small counts (CI); same sections")
+    serving = b.add_mutually_exclusive_group()
+    serving.add_argument("--no-serving", dest="serving", action="store_false",
+                         help="skip the serving-load section (two source processes, 16 loads in flight)")
+    serving.add_argument("--only-serving", action="store_true",
+                         help="run only the serving-load section (its own floor included)")
     b.add_argument("--soak", type=_positive, metavar="N",
                    help="instead of the sections: N loads over NIXL between processes with "
                         "injected faults, cancellations and a peer restart, every byte checked")
@@ -134,7 +140,7 @@ def _bench(args: argparse.Namespace) -> int:
                             small_bytes=args.small, copies=args.copies, loads=args.loads,
                             trace_batches=args.trace_batches, trace_large=args.trace_large,
                             alloc_copies=args.alloc_copies, seed=args.seed, quick=args.quick,
-                            pin_cpus=args.pin, compare=args.compare)
+                            pin_cpus=args.pin, compare=args.compare, serving=args.serving)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2
@@ -146,8 +152,11 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
 
     console = _console()
+    if args.only_serving:
+        return _only_serving(args, opts, console)
     sections = ["floor", "seed cases", "end-to-end loads", "trace replay", "trace as loads",
-                "decision cost", "memory growth"] + (["xoscar compare"] if opts.compare else [])
+                "decision cost", "memory growth"] + (["serving load"] if opts.serving else []) \
+        + (["xoscar compare"] if opts.compare else [])
     if console is not None:
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -161,6 +170,40 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         result = anyio.run(run, opts, lambda s: print(f"... {s}", file=sys.stderr))
     print_report(result, console)
+    _write(args, result)
+    xo = result.get("compare", {}).get("xoscar")
+    if xo is not None and "error" in xo:
+        print(f"--compare xoscar failed: {xo['error']}", file=sys.stderr)
+        return 1
+    if "error" in result.get("serving", {}):
+        print(f"the serving-load section failed: {result['serving']['error']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _only_serving(args: argparse.Namespace, opts: Any, console: Any) -> int:
+    """``--only-serving``: the serving-load section alone (JSON: options and serving)."""
+    import platform
+    from dataclasses import asdict
+
+    import anyio
+
+    from .. import __version__
+    from .serving import serving, serving_tables
+    from .suite import use_device
+    if opts.transport != "nixl":
+        print("--only-serving runs three processes over NIXL: drop --transport local", file=sys.stderr)
+        return 2
+    use_device(opts)
+    result = {"options": asdict(opts), "serving": anyio.run(serving, opts)}
+    print_tables(f"xavier-async {__version__} | serving load only | {platform.platform()} | "
+                 f"{os.cpu_count()} cpus", serving_tables(result["serving"]), console)
+    _write(args, result)
+    return 0
+
+
+def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The ``--json`` and ``--plot`` outputs."""
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, default=str))
@@ -168,11 +211,6 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot is not None:
         plot(result, args.plot)
         print(f"wrote {args.plot}")
-    xo = result.get("compare", {}).get("xoscar")
-    if xo is not None and "error" in xo:
-        print(f"--compare xoscar failed: {xo['error']}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _console() -> Any:
@@ -248,6 +286,9 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
     xo = r.get("compare", {}).get("xoscar")
     if xo is not None:
         tables.append(_compare_rows(sc, xo))
+    if "serving" in r:
+        from .serving import serving_tables
+        tables.extend(serving_tables(r["serving"]))
     return tables
 
 
@@ -300,9 +341,15 @@ def print_report(r: dict[str, Any], console: Any = None) -> None:
     env = r["environment"]
     head = (f"xavier-async {env['xavier_async']} | transport {env['transport']} | device {env['device']}"
             f" | torch {env['torch']} | nixl {env.get('nixl', '-')} | {env['cpus']} cpus")
+    print_tables(head, _rows(r), console)
+
+
+def print_tables(head: str, tables: list[tuple[str, list[list[str]], list[str]]], console: Any = None,
+                 ) -> None:
+    """A header line, then each (title, rows, header) table (rich when available)."""
     if console is None:
         print(head)
-        for title, rows, header in _rows(r):
+        for title, rows, header in tables:
             print(f"\n{title}")
             widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
             for row in [header, *rows]:
@@ -310,7 +357,7 @@ def print_report(r: dict[str, Any], console: Any = None) -> None:
         return
     from rich.table import Table
     console.print(head)
-    for title, rows, header in _rows(r):
+    for title, rows, header in tables:
         table = Table(title=title, title_justify="left")
         for h in header:
             table.add_column(h, justify="right")
@@ -325,9 +372,17 @@ def plot(r: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if "seed_cases" not in r:  # --only-serving
+        from .serving import plot_serving
+        fig, ax = plt.subplots(figsize=(7.5, 5))
+        plot_serving(ax, r["serving"])
+        _save(fig, path)
+        return
     sc, fl, tr = r["seed_cases"], r["floor"], r["trace"]
     staged = {k: v["stages"] for k, v in r["e2e_loads"].items() if v.get("stages")}
-    fig, axes = plt.subplots(1, 3 if staged else 2, figsize=(19 if staged else 13, 5))
+    serving = r.get("serving") if "runs" in r.get("serving", {}) else None
+    n = 2 + bool(staged) + bool(serving)
+    fig, axes = plt.subplots(1, n, figsize=((19 if staged else 13) + (6.5 if serving else 0), 5))
     ax1, ax2 = axes[0], axes[1]
     names = ["floor full", "floor small", "always full", "alt. size-only", "alt. streak",
              "sustained small"]
@@ -365,6 +420,14 @@ def plot(r: dict[str, Any], path: Path) -> None:
     ax2.legend()
     if staged:
         _stacked_stages(axes[2], staged, fl["small"]["median_us"])
+    if serving:
+        from .serving import plot_serving
+        plot_serving(axes[-1], serving)
+    _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -15,7 +15,9 @@ the default) or in this process (``--transport local``). Sections:
   as real loads (block keys, layers and destination slots, bytes checked at the end);
 * the per-stage breakdown of each load (receiver and source stage histograms, when the
   engine records them) and the cost of planning one block hash x all layers;
-* the state-machine decision cost and memory growth over many copies.
+* the state-machine decision cost and memory growth over many copies;
+* serving load (:mod:`.serving`): two source processes and this loader, the trace
+  replayed with 16 loads in flight, one receive/send slab vs the engine's default.
 
 Times are medians (and p95) of per-operation wall time; every comparison is a ratio.
 """
@@ -76,6 +78,8 @@ class BenchOptions:
     #: also run the seed's four cases through an anchor (``"xoscar"``: xoscar's copy_to
     #: over NIXL, two processes; needs ``pip install 'xavier-async[xoscar]'``)
     compare: str | None = None
+    #: the serving-load section (two sources, one loader, 16 loads in flight; NIXL only)
+    serving: bool = True
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):
@@ -585,8 +589,8 @@ def _fill_send_slab(ep: Endpoint, seed: int) -> None:
                                             dtype=torch.uint8))
 
 
-async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Run every section; return one JSON-able dict."""
+def use_device(o: BenchOptions) -> str:
+    """Set this process up for the run's device (returned: ``cpu`` or ``cuda``)."""
     device = o.resolved_device()
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -594,6 +598,12 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         # Both endpoints poll NIXL on their event loop; torch's intra-op threads on top of
         # that oversubscribe a small CPU machine and turn microseconds into timeslices.
         torch.set_num_threads(1)
+    return device
+
+
+async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run every section; return one JSON-able dict."""
+    device = use_device(o)
 
     async def body(rig: Rig) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -625,6 +635,15 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         return res
 
     res: dict[str, Any] = await _with_rig(o, body)
+    if o.serving:
+        # after the rig is closed: three processes of its own (loader and two sources)
+        from .serving import serving
+        report("serving load")
+        try:
+            res["serving"] = await serving(o)
+        except Exception as exc:  # a wrong byte included: reported, and the command fails,
+            # without losing the sections above
+            res["serving"] = {"error": f"{type(exc).__name__}: {exc}"}
     if o.compare == "xoscar":
         # After our rig is closed (its peer process gone), so the anchor runs on a quiet
         # machine; its ratios are against the floor measured above.
@@ -648,13 +667,16 @@ async def compare_xoscar(o: BenchOptions, res: dict[str, Any], device: str) -> d
     return xo
 
 
+def target(value: float, limit: float, le: bool = True) -> dict[str, Any]:
+    """One row of a target table: the value, its limit and whether it is met (``value <=
+    limit``, or ``>=`` with ``le=False``)."""
+    return {"value": value, "limit": limit, "met": value <= limit if le else value >= limit}
+
+
 def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The product's targets (docs/benchmarks.md, Targets), each as (value, limit, met)."""
     sc, tr = r["seed_cases"], r["trace"]
-
-    def t(value: float, limit: float, le: bool = True) -> dict[str, Any]:
-        return {"value": value, "limit": limit, "met": value <= limit if le else value >= limit}
-
+    t = target
     out = {
         "channel_small_vs_floor": t(sc["sustained_small"]["ratio_median_to_floor"], 2.5),
         "channel_full_vs_floor": t(sc["always_full"]["ratio_median_to_floor"], 1.3),
