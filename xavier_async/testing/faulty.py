@@ -150,6 +150,9 @@ class FaultyTransport(Transport):
         self._host, self._send = host, send
         await self.inner.start(host, send, recv, tg)
 
+    async def add_send_slab(self, slab: Slab) -> None:
+        await self.inner.add_send_slab(slab)
+
     async def add_recv_slab(self, slab: Slab) -> None:
         await self.inner.add_recv_slab(slab)
 
@@ -221,7 +224,8 @@ class FaultyTransport(Transport):
         """Post the write with one bit of its first byte flipped on the way, then put the
         sender's byte back (the send slab is intact afterwards)."""
         assert self._send is not None
-        first = self._send.tensor[:1]
+        view = getattr(mapping, "view", None)  # the send slab this write reads
+        first = (view.tensor if view is not None else self._send.tensor)[:1]
         saved = first.clone()
         first.bitwise_xor_(1 << self._rng.randrange(8))
         try:
