@@ -449,6 +449,11 @@ from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec
                                                check_loaded, pattern_caches, zero_slots)
 from xavier_async.transports.nixl import NixlTransport  # noqa: E402
 
+import os  # noqa: E402
+
+#: XAVIER_TEST_DEVICE=cuda: the loader on GPU 0, both sources on GPU 1 (as in test_nixl_process)
+DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
+HERE, THERE = ("cuda:0", "cuda:1") if DEVICE == "cuda" else ("cpu", "cpu")
 SPEC = LayoutSpec(layers=2, num_slots=64, block_shape=(4, 64), dtype="bfloat16")  # 512 B blocks
 NCFG = dict(full_bytes=16 * KiB, small_bytes=1 * KiB)
 SEED = 13
@@ -460,10 +465,10 @@ async def test_nixl_many_loads_in_flight_from_two_processes():
     writes are slowed so that copies overlap; every block checked; S + K registrations
     on every endpoint and none after the warm-up."""
     expected = {r: pattern_caches(SPEC, r, SEED) for r in (1, 2)}
-    local = {layer: t.zero_() for layer, t in pattern_caches(SPEC, 0, SEED).items()}
+    local = {layer: t.zero_() for layer, t in pattern_caches(SPEC, 0, SEED, HERE).items()}
     slow = {"write_stall_rate": 1.0, "stall_seconds": 0.02}
     procs = [PeerProcess(PeerSpec(rank=r, layout=SPEC, seed=SEED, config=NCFG, torch_threads=1,
-                                  faults=slow)) for r in (1, 2)]
+                                  faults=slow, device=THERE)) for r in (1, 2)]
     try:
         async with Endpoint(0, local, NixlTransport(), EndpointConfig(**NCFG)) as ep:
             for p in procs:

@@ -999,9 +999,10 @@ class Endpoint:
 
     # -- diagnostics --------------------------------------------------------------------
     def snapshot_metrics(self) -> dict[str, Any]:
-        """Metrics as a plain dict (registrations include the transport's memory ones)."""
+        """Metrics as a plain dict (registrations include the transport's memory ones), with
+        the slab pools' state under ``"slabs"`` (:attr:`recv_slab_stats`)."""
         self.metrics.memory_registrations = self.transport.memory_registrations
-        return self.metrics.as_dict()
+        return {**self.metrics.as_dict(), "slabs": self.recv_slab_stats}
 
 
 class _Host:
