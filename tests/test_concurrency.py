@@ -135,6 +135,39 @@ async def test_a_source_serves_several_copies_at_once_to_one_and_to_several_peer
 
 
 @anyio_test
+async def test_queued_requests_get_send_slabs_in_arrival_order():
+    """With the source's one send slab busy, requests queue; they are served in the order
+    they arrived (each write's target receive slab tells which request it serves)."""
+    cs = caches(2)
+    cfgs = [CFG, EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, send_slabs=1)]
+    async with cluster(cs, cfgs, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        inner = b.transport.inner
+        order: list[int] = []
+        post = inner.post
+
+        def recording_post(peer, mapping, nbytes, notify):
+            order.append(mapping.slab)
+            return post(peer, mapping, nbytes, notify)
+
+        inner.post = recording_post
+        b.transport.hold_next_writes(1)
+        rs = [req(1, [i], slot0=i) for i in range(K)]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.load, rs[0])
+            await b.transport.wait_stalled(1)
+            for n, r in enumerate(rs[1:], start=1):
+                tg.start_soon(a.load, r)
+                await until(lambda: b._queued == n, "queued at the source, in this order")
+            held = a._recv.pool._held
+            slabs = sorted(held)          # each load holds its own receive slab
+            b.transport.release_held()
+        assert order == slabs == [0, 1, 2, 3]
+        for r in rs:
+            check(cs[0], cs, r)
+
+
+@anyio_test
 @pytest.mark.parametrize("receive_slabs", [K, 1])
 async def test_a_small_load_completes_while_large_ones_are_stalled(receive_slabs):
     """No head-of-line blocking: with K - 1 large copies held, one more large load waits
