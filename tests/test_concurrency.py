@@ -115,6 +115,28 @@ async def test_many_loads_in_flight_from_two_sources_every_byte_checked():
 
 
 @anyio_test
+async def test_one_slab_each_way_is_the_one_batch_at_a_time_design():
+    """K = S = 1: two registrations per endpoint, one batch in flight at a time, and
+    concurrent loads still all complete with the right bytes (they queue)."""
+    cs = caches(3)
+    one = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=1, send_slabs=1)
+    async with cluster(cs, one) as (a, b, c):
+        publish(b, c)
+        assert all(ep.transport.memory_registrations == 2 for ep in (a, b, c))
+        rng = random.Random(2)
+        requests = [req(1 + i % 2, rng.sample(range(SLOTS), 1 if i % 3 else len(LARGE)), slot0=6 * i)
+                    for i in range(16)]
+        async with anyio.create_task_group() as tg:
+            for r in requests:
+                tg.start_soon(a.load, r)
+            await until(lambda: a.recv_slab_stats["waiting"] > 1, "loads queue for the one slab")
+            assert a.recv_slab_stats["in_use"] == 1
+        for r in requests:
+            check(cs[0], cs, r)
+        assert all(ep.transport.memory_registrations == 2 for ep in (a, b, c))
+
+
+@anyio_test
 async def test_a_source_serves_several_copies_at_once_to_one_and_to_several_peers():
     cs = caches(2) + [{0: zero_cache(SLOTS, (256,), torch.float32)}]
     async with cluster(cs, CFG, wrap={1: faulty()}) as (a, b, d):
