@@ -78,9 +78,11 @@ async def test_cancelled_loader_waits_for_its_started_copy():
 
 
 async def test_receive_slab_not_reused_before_the_cancelled_copy_ends():
+    """With one receive slab, the next load waits for the cancelled copy's slab (with a
+    pool, the slab stays lent instead: test_concurrency.py)."""
     cs = caches(3)
     orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b, c):
+    async with cluster(cs, cfg(receive_slabs=1), wrap={1: faulty()}) as (a, b, c):
         publish(b)
         publish(c)
         b.transport.stall_next_writes(1, STALL)
@@ -186,10 +188,11 @@ async def test_asyncio_timeout_around_a_stalled_load():
 
 
 async def test_a_load_that_never_started_is_cancelled_at_once():
+    """A load waiting for the (only) receive slab is cancelled at once, nothing sent."""
     stall = 0.6
     cs = caches(3)
     orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b, c):
+    async with cluster(cs, cfg(receive_slabs=1), wrap={1: faulty()}) as (a, b, c):
         publish(b)
         publish(c)
         b.transport.stall_next_writes(1, stall)

@@ -166,7 +166,8 @@ async def test_waiters_retry_after_the_leader_fails():
 async def test_concurrent_loads_on_a_fresh_channel_register_once():
     caches = [{0: random_cache(32, (1024,), torch.float32, seed=i)} for i in range(2)]  # 4 KiB blocks
     dst_before, src = snapshot(caches[0]), snapshot(caches[1])
-    async with cluster(caches, cfg(), raw_copies=True,
+    # one slab each way: one mapping serves everything (a pool maps each slab pair once)
+    async with cluster(caches, cfg(receive_slabs=1, send_slabs=1), raw_copies=True,
                        wrap={1: lambda f: CountingTransport(f, map_delay=0.02)}) as (a, b):
         publish(b)
         with anyio.fail_after(10):

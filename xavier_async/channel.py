@@ -1,6 +1,12 @@
 """One peer channel: the state machine, the view mappings and the copy dispatch.
 
 A channel belongs to the endpoint that *writes* (the source of a load) and one peer rank.
+It has exactly one state machine, whatever the number of copies in flight: its input is
+the sequence of batches in the order the source *commits* them (:meth:`PeerChannel.commit`,
+called right before the copy is posted, with nothing awaited between the decision and the
+commit), which with several copies in flight need not be the order they arrived in.
+A mapping is per (send slab, send view, peer's receive slab): two copies in flight never
+share one, because each holds its send slab and its receive slab until it is terminal.
 Mapping registration is single-flight: concurrent callers wait on one lock and see the
 result of the registration in progress; a failure is retried with backoff per the
 :class:`RetryPolicy` and never cached. A transport failure resets the channel: state back
@@ -9,6 +15,7 @@ to ``full``, every mapping dropped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -40,42 +47,51 @@ class CopyPlan:
 class PeerChannel:
     """The writer's side of one (endpoint, peer) pair."""
 
-    def __init__(self, peer: int, transport: Transport, send_slab: Slab, policy: ChannelPolicy,
-                 retry: RetryPolicy, metrics: PeerMetrics, *, trimmed: bool, trim_align: int) -> None:
+    def __init__(self, peer: int, transport: Transport, send_slabs: Slab | Sequence[Slab],
+                 policy: ChannelPolicy, retry: RetryPolicy, metrics: PeerMetrics, *,
+                 trimmed: bool, trim_align: int) -> None:
         self.peer = peer
         self.transport = transport
-        self.send_slab = send_slab
+        self.send_slabs = [send_slabs] if isinstance(send_slabs, Slab) else list(send_slabs)
+        #: the first send slab (bare copies use it)
+        self.send_slab = self.send_slabs[0]
         self.policy = policy
         self.retry = retry
         self.metrics = metrics
         self.trimmed = trimmed
         self.trim_align = trim_align
-        #: (send view, peer's receive slab) -> the transport's mapping
-        self._mappings: dict[tuple[View, int], object] = {}
+        #: per send slab: (send view, peer's receive slab) -> the transport's mapping
+        self._mappings: list[dict[tuple[View, int], object]] = [{} for _ in self.send_slabs]
         self._map_lock = anyio.Lock(fast_acquire=True)
         self._last_view: View | None = None
 
     @property
-    def mapped(self) -> dict[tuple[View, int], object]:
-        """The (view name, peer's receive slab) pairs mapped for this peer and their
-        transport mappings."""
-        return self._mappings
+    def mapped(self) -> dict[tuple[int, View, int], object]:
+        """The (send slab, view name, peer's receive slab) triples mapped for this peer and
+        their transport mappings."""
+        return {(s, v, r): m for s, by in enumerate(self._mappings) for (v, r), m in by.items()}
+
+    def mapped_for(self, send: int) -> dict[tuple[View, int], object]:
+        """The (view name, peer's receive slab) pairs mapped from send slab ``send`` (what
+        :func:`xavier_async.protocol.decide` is given)."""
+        return self._mappings[send]
 
     @property
     def mapped_views(self) -> tuple[int, ...]:
-        """Sizes of the views currently mapped for this peer (any receive slab)."""
-        return tuple(sorted({self.send_slab[v].nbytes for v, _ in self._mappings}))
+        """Sizes of the views currently mapped for this peer (any slabs)."""
+        return tuple(sorted({self.send_slab[v].nbytes for by in self._mappings for v, _ in by}))
 
-    async def mapping(self, name: View, slab: int = 0) -> object:
-        """The mapping of a view to the peer's receive slab ``slab``, registering it on
-        first use (single flight, retried)."""
+    async def mapping(self, name: View, slab: int = 0, send: int = 0) -> object:
+        """The mapping of view ``name`` of send slab ``send`` to the peer's receive slab
+        ``slab``, registering it on first use (single flight, retried)."""
         key = (name, slab)
-        m = self._mappings.get(key)
+        by = self._mappings[send]
+        m = by.get(key)
         if m is not None:
             return m
-        view = self.send_slab[name]
+        view = self.send_slabs[send][name]
         async with self._map_lock:
-            m = self._mappings.get(key)
+            m = by.get(key)
             if m is not None:
                 return m
             delays = self.retry.delays()
@@ -95,19 +111,20 @@ class PeerChannel:
                     self.metrics.retries += 1
                     await anyio.sleep(delay)
                 else:
-                    self._mappings[key] = m
+                    by[key] = m
                     self.metrics.registrations += 1
                     return m
 
-    def commit(self, payload: int, view: View, useful: int, slab: int = 0) -> CopyPlan:
-        """Advance the machine for a batch whose view (``view``, mapped, just decided by
-        peeking at the machine) is about to be written; nothing may be awaited between
-        that decision and this call."""
+    def commit(self, payload: int, view: View, useful: int, slab: int = 0, send: int = 0) -> CopyPlan:
+        """Advance the machine for a batch whose view (``view``, mapped from send slab
+        ``send`` to the peer's receive slab ``slab``, just decided by peeking at the
+        machine) is about to be written; nothing may be awaited between that decision and
+        this call. The order of these calls is the machine's input."""
         chosen = self.policy.commit(payload)
         assert chosen == view, (chosen, view)
         view_bytes = self.policy.sizes.nbytes(view)
         wire = min(view_bytes, align_up(payload, self.trim_align)) if self.trimmed else view_bytes
-        return CopyPlan(payload, view, view_bytes, wire, self._mappings[(view, slab)], useful)
+        return CopyPlan(payload, view, view_bytes, wire, self._mappings[send][(view, slab)], useful)
 
     async def prepare(self, payload: int) -> CopyPlan:
         """Choose the view for a bare copy, make sure it is mapped, then commit the choice.
@@ -119,7 +136,7 @@ class PeerChannel:
             self.policy.select(payload)  # raises the policy's own error
         while True:
             view = self.policy.peek_view(payload)
-            if (view, 0) in self._mappings:
+            if (view, 0) in self._mappings[0]:
                 return self.commit(payload, view, payload)
             await self.mapping(view)
 
@@ -182,7 +199,8 @@ class PeerChannel:
         """Back to ``full`` with no mappings (after a transport failure or a lost peer);
         the transport's own mappings are dropped by :meth:`forget`."""
         self.policy.reset()
-        self._mappings.clear()
+        for by in self._mappings:
+            by.clear()
         self._last_view = None
         self.metrics.resets += 1
 

@@ -1,18 +1,20 @@
 """The endpoint engine: one per serving replica (the I/O shell around the pure core).
 
-An :class:`Endpoint` owns its caches' two slabs, one anyio task group (every background
-task lives there), a :class:`PeerChannel` per connected peer, a send-slab guard and a
-receive lock. The protocol (messages, request ids, the hello check, the serve decision)
-is :mod:`xavier_async.protocol`; this module does the locking, the awaiting and the
-transport calls. Loading from a peer::
+An :class:`Endpoint` owns a pool of receive slabs and a pool of send slabs
+(``EndpointConfig.receive_slabs`` / ``send_slabs``, all registered once at start), one
+anyio task group (every background task lives there) and a :class:`PeerChannel` per
+connected peer. The protocol (messages, request ids, the hello check, the serve decision)
+is :mod:`xavier_async.protocol`; this module does the slab lending, the awaiting and the
+transport calls. Loading from a peer (many such loads may be in flight at once)::
 
     receiver                                   source
     load() validates + plans (no I/O yet)
-    [recv lock] Load(req, keys)  ------------>  decide(): refuse / map a view / ready
-                                                [send slab] pack, commit the machine,
-                                                WRITE + notify
-    <-------------------------------- Landed  (bytes are in the receive slab)
-    unpack into cache slots, release recv lock
+    [borrow a receive slab r]
+    Load(req, keys, r)  --------------------->  [borrow a send slab s] decide(): refuse /
+                                                map (s, view, r) / ready: pack slab s,
+                                                commit the machine, WRITE + notify
+    <-------------------------------- Landed  (bytes are in receive slab r)
+    unpack into cache slots, give r back        (s is given back once the WRITE is terminal)
 
 A copy that has started is waited for (shielded) until it reaches a terminal state, even
 if the caller is cancelled; the cancellation is re-raised afterwards and the batch is not
@@ -52,7 +54,7 @@ from .protocol import (Error, Hello, Landed, Load, NeedsMapping, ParsedLoad, Pen
 from .retry import RetryPolicy
 from .shielded import until_set, wait_terminal
 from .sizes import DEFAULT_FULL_BYTES, SlabSizes
-from .slabs import RecvSlabs, Slab, allocate_recv_slab, allocate_slabs, payload_digest
+from .slabs import RecvSlabs, Slab, SlabPool, Ticket, allocate_slab, payload_digest
 from .transports.base import Transport
 from .transports.local import LocalTransport
 
@@ -77,6 +79,16 @@ class EndpointConfig:
     source after packing (on the device for VRAM); the batch is checked before it is
     unpacked, and a mismatch raises :class:`IntegrityError` instead of writing it (costs a
     reduction over the payload on both ends).
+
+    ``receive_slabs`` (K) and ``send_slabs`` (S): the slab pools. Each slab is allocated
+    and registered once at start (S + K memory registrations, none after); each batch
+    borrows one receive slab for its round trip, each copy a source serves one send slab
+    until the copy is terminal, so up to K batches load and up to S copies are served at
+    once. Head-of-line rule: a batch whose payload exceeds the small view may hold at most
+    K - 1 receive slabs (and S - 1 send slabs) at once, so one of each is always left for
+    small batches, which never wait behind a whole large copy. With a pool of one slab
+    there is no reservation (K = S = 1 is the one-batch-at-a-time design). When every
+    slab is busy, a load waits (back-pressure, never an error).
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -88,6 +100,8 @@ class EndpointConfig:
     request_timeout: float = 60.0
     stream_ordered_unpack: bool = False
     verify: bool = False
+    receive_slabs: int = 4
+    send_slabs: int = 4
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +110,10 @@ class EndpointConfig:
         object.__setattr__(self, "full_bytes", sizes.full)
         object.__setattr__(self, "small_bytes", sizes.small)
         object.__setattr__(self, "streak", check_int("streak", self.streak, minimum=1))
+        object.__setattr__(self, "receive_slabs",
+                           check_int("receive_slabs", self.receive_slabs, minimum=1, maximum=1024))
+        object.__setattr__(self, "send_slabs",
+                           check_int("send_slabs", self.send_slabs, minimum=1, maximum=1024))
         check_bool("trimmed", self.trimmed)
         check_bool("stream_ordered_unpack", self.stream_ordered_unpack)
         check_bool("verify", self.verify)
@@ -167,14 +185,18 @@ class Endpoint:
         #: optional hello fields (uninterpreted by the engine; the benchmark uses one)
         self._hello_extras: dict[str, Any] = {}
         self._host = _Host(self)
-        # the send slab: held from packing until the copy is terminal (a semaphore, so the
-        # task that finishes a copy started by the poller can release it)
-        self._send_free = anyio.Semaphore(1, fast_acquire=True)
-        self._recv_lock = anyio.Lock(fast_acquire=True)
+        #: the send slabs: one is held from packing until its copy is terminal (released
+        #: by whichever task finishes the copy)
+        self._send: SlabPool = SlabPool(range(self.config.send_slabs))
+        #: a batch whose payload exceeds this is "large" (the head-of-line rule)
+        self._small = self.config.sizes.small
+        self._send_slabs: list[Slab] = []
+        self._send_rows: list[SlabRows] = []
         self._inflight = 0
-        #: requests handed to the serve queue and not yet served (the inline path waits)
+        #: requests handed to the serve queue and not yet committed (the inline path waits)
         self._queued = 0
-        self._unpacked: torch.cuda.Event | None = None
+        #: per receive slab, the event of its last unpack (CUDA: reused only once it has run)
+        self._unpacked: dict[int, torch.cuda.Event] = {}
         self._idle: anyio.Event | None = None
         self._state = "new"   # new -> open -> closing -> closed
         self._closed = anyio.Event()
@@ -182,19 +204,39 @@ class Endpoint:
         self._tg: TaskGroup | None = None
         self._inbox: MemoryObjectSendStream[tuple[int, ParsedLoad, int]] | None = None
         self.send_slab: Slab | None = None
+        self._registered_at_start = 0
 
     @property
     def recv_slab(self) -> Slab | None:
-        """The receive slab the next load is written into (another one replaces it when
-        it is fenced: see :attr:`recv_slab_stats`)."""
+        """The receive slab the next load would be written into (``None`` while every one
+        is in use; a fenced one leaves the pool: see :attr:`recv_slab_stats`)."""
         return self._recv.current if self._recv is not None else None
 
     @property
+    def send_slabs(self) -> tuple[Slab, ...]:
+        """The send-slab pool (:attr:`send_slab` is its first slab)."""
+        return tuple(self._send_slabs)
+
+    @property
+    def recv_slabs(self) -> tuple[Slab, ...]:
+        """Every receive slab registered (the pool, spares and fenced ones)."""
+        return tuple(self._recv.slabs.values()) if self._recv is not None else ()
+
+    @property
     def recv_slab_stats(self) -> dict[str, int]:
-        """Receive slabs: ``registered``, ``fenced_now`` (a lost source may still write
-        them), ``spares``, and how many were ever ``fences``, ``released_late`` (the stale
-        writer's late reply arrived) and ``released_reconnect``."""
-        return self._recv.stats() if self._recv is not None else {}
+        """Receive slabs: ``registered``, ``pool`` (K), ``usable`` (in the pool, free or
+        lent), ``in_use``, ``waiting`` (loads waiting for one), ``fenced_now`` (a lost
+        source may still write them), ``spares``, and how many were ever ``fences``,
+        ``released_late`` (the stale writer's late reply arrived) and
+        ``released_reconnect``; ``send_slabs`` (S), ``sends_in_use``, and
+        ``registered_at_start`` (S + K memory registrations) against
+        ``registered_since_start`` (0 unless a fence needed a replacement)."""
+        if self._recv is None:
+            return {}
+        return {**self._recv.stats(), "send_slabs": len(self._send_slabs),
+                "sends_in_use": self._send.held, "registered_at_start": self._registered_at_start,
+                "registered_since_start":
+                    self.transport.memory_registrations - self._registered_at_start}
 
     # -- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> Endpoint:
@@ -206,17 +248,22 @@ class Endpoint:
         stack = AsyncExitStack()
         outer: TaskGroup | None = None
         try:
-            sizes = self.config.sizes
-            self.send_slab, recv_slab = allocate_slabs(sizes.full, sizes.small, self.layout.device)
+            sizes, cfg, dev = self.config.sizes, self.config, self.layout.device
+            self._send_slabs = [allocate_slab("send", sizes.full, sizes.small, dev, i)
+                                for i in range(cfg.send_slabs)]
+            recv_slabs = [allocate_slab("recv", sizes.full, sizes.small, dev, i)
+                          for i in range(cfg.receive_slabs)]
+            self.send_slab = self._send_slabs[0]
             self._block_sizes = [spec.block_nbytes for spec in self.layout.layers.values()]
             if self.layout.device.type == "cuda":
                 try:
                     self._device_runs = DeviceRuns(self.layout.device)
                 except Exception:  # no Triton here: the tensor path
                     log.info("fused pack/unpack unavailable; using tensor copies", exc_info=True)
-            self._send_rows = SlabRows(self.send_slab.tensor, self._block_sizes)
-            self._recv = RecvSlabs(recv_slab)
-            self._recv_rows = {0: SlabRows(recv_slab.tensor, self._block_sizes)}
+            self._send_rows = [SlabRows(slab.tensor, self._block_sizes) for slab in self._send_slabs]
+            self._recv = RecvSlabs(recv_slabs)
+            self._recv_rows = {slab.index: SlabRows(slab.tensor, self._block_sizes)
+                               for slab in recv_slabs}
             await stack.__aenter__()
             outer = await stack.enter_async_context(anyio.create_task_group())
             # Background work runs in a task group hosted by a task of its own, so that
@@ -227,7 +274,12 @@ class Endpoint:
             self._inbox = send
             stack.push_async_callback(self._shutdown_tasks)
             self._tg.start_soon(self._serve_loop, recv, name=f"xavier-serve-{self.rank}")
-            await self.transport.start(self._host, self.send_slab, recv_slab, self._tg)
+            await self.transport.start(self._host, self.send_slab, recv_slabs[0], self._tg)
+            for slab in self._send_slabs[1:]:
+                await self.transport.add_send_slab(slab)
+            for slab in recv_slabs[1:]:
+                await self.transport.add_recv_slab(slab)
+            self._registered_at_start = self.transport.memory_registrations
         except BaseException:
             # Release what the transport registered or bound (shielded), then stop our
             # tasks and leave the task group: outside the shield, in the order entered,
@@ -330,12 +382,15 @@ class Endpoint:
 
     @asynccontextmanager
     async def _send_work(self) -> AsyncIterator[None]:
-        """Counted as in-flight work, holding the send slab (for callers outside the serve
-        path, such as the benchmark's bare copies)."""
+        """Counted as in-flight work, holding the first send slab (for callers outside the
+        serve path, such as the benchmark's bare copies through :attr:`send_slab`)."""
         self._enter_work()
         try:
-            async with self._send_free:
+            index = await self._send.acquire(False, want=0)
+            try:
                 yield
+            finally:
+                self._send.release(index)
         finally:
             self._leave_work()
 
@@ -414,7 +469,7 @@ class Endpoint:
         if old is not None:  # a restarted peer: start from a clean channel
             old.policy.reset()
         self._channels[peer] = PeerChannel(
-            peer, self.transport, self.send_slab, ChannelPolicy.of(cfg.sizes, cfg.streak),
+            peer, self.transport, self._send_slabs, ChannelPolicy.of(cfg.sizes, cfg.streak),
             cfg.retry, self.metrics.peer(peer), trimmed=cfg.trimmed, trim_align=cfg.trim_align)
         self._peer_hello[peer] = hello
 
@@ -541,118 +596,166 @@ class Endpoint:
         finally:
             self._requests.close(req)
 
-    async def _active_recv_slab(self) -> Slab:
-        """The receive slab to load into; after a fence with no spare left, a new one is
-        allocated and registered (a registration caused by a failure, never in steady
-        state)."""
-        assert self._recv is not None
-        slab = self._recv.current
-        if slab is not None:
-            return slab
+    async def _borrow_recv_slab(self, large: bool) -> Slab:
+        """A receive slab from the pool, waiting for one when all are busy (a cancellation
+        while waiting takes nothing). When fences have left fewer than K usable slabs and
+        none is free, a replacement is allocated and registered (a registration caused by
+        a failure, never in steady state)."""
+        recv = self._recv
+        assert recv is not None
+        ticket = recv.pool.enqueue(large)
+        try:
+            if not ticket.granted and recv.short():
+                await self._add_recv_slab()  # joins the pool: granted to the first waiter
+            index = await ticket.wait()
+        except BaseException:
+            ticket.cancel()
+            raise
+        ticket.keep()
+        return recv.slabs[index]
+
+    async def _add_recv_slab(self) -> None:
+        """Allocate and register one more receive slab (replacing a fenced one)."""
+        recv = self._recv
+        assert recv is not None
         self._check_open()
         sizes = self.config.sizes
-        slab = allocate_recv_slab(sizes.full, sizes.small, self.layout.device, self._recv.next_index)
+        slab = allocate_slab("recv", sizes.full, sizes.small, self.layout.device, recv.next_index)
+        recv.registering += 1
         try:
             await self.transport.add_recv_slab(slab)
         except XavierError:
             raise
         except Exception as exc:
             raise RegistrationError(f"registering a replacement receive slab failed: {exc}") from exc
-        self._recv.add(slab)
+        finally:
+            recv.registering -= 1
         self._recv_rows[slab.index] = SlabRows(slab.tensor, self._block_sizes)
+        recv.add(slab)
         log.info("rank %d: receive slab %d registered (replaces a fenced one)", self.rank, slab.index)
-        return slab
 
-    def _fence(self, src: int, req: PendingRequest) -> None:
-        """``src`` may still write the active receive slab for ``req``: never load into it
-        again until that is impossible (see :class:`RecvSlabs`)."""
+    def _replenish_soon(self) -> None:
+        """After a fence: loads already waiting for a slab get a replacement registered
+        for them (a load that arrives later does it itself)."""
+        recv = self._recv
+        if recv is not None and recv.pool.waiting and recv.short() and self._tg is not None \
+                and self._state == "open":
+            recv.registering += 1  # counted at once: one replacement per shortage
+            self._tg.start_soon(self._replenish)
+
+    async def _replenish(self) -> None:
         assert self._recv is not None
-        self._recv.fence(src, self._peer_inc.get(src, ""), req.req_id)
-        log.warning("rank %d: receive slab fenced (rank %d may still write it for request %d)",
-                    self.rank, src, req.req_id)
+        self._recv.registering -= 1
+        try:
+            await self._add_recv_slab()
+        except Exception:
+            log.warning("rank %d: registering a replacement receive slab failed; waiting loads "
+                        "wait for a slab to come back", self.rank, exc_info=True)
+
+    def _fence(self, src: int, req: PendingRequest, slab: Slab) -> None:
+        """``src`` may still write ``slab`` for ``req``: it leaves the pool and is never
+        loaded into again until that is impossible (see :class:`RecvSlabs`)."""
+        assert self._recv is not None
+        self._recv.fence(slab.index, src, self._peer_inc.get(src, ""), req.req_id)
+        log.warning("rank %d: receive slab %d fenced (rank %d may still write it for request %d)",
+                    self.rank, slab.index, src, req.req_id)
+        self._replenish_soon()
 
     async def _load_batch(self, src: int, batch: PlannedBatch) -> int:
+        """One batch's round trip: borrow a receive slab (the head-of-line rule: a batch
+        larger than the small view is "large"), request, wait, unpack, give it back."""
+        assert self._recv is not None
+        slab = await self._borrow_recv_slab(batch.nbytes > self._small)
+        lent = [True]  # cleared when the slab is fenced: it then stays out of the pool
+        try:
+            return await self._load_into(src, batch, slab, lent)
+        finally:
+            if lent[0]:  # the copy is terminal (or was never requested): the slab is free
+                self._recv.pool.release(slab.index)
+
+    async def _load_into(self, src: int, batch: PlannedBatch, slab: Slab, lent: list[bool]) -> int:
         m = self.metrics.peer(src)
-        async with self._recv_lock:
-            self._recv_slab_free()
-            slab = await self._active_recv_slab()
-            if slab.index:
-                await self.transport.share_recv_slab(src, slab)
-            landed = anyio.Event()
-            req = self._requests.open(src, landed.set)
-            try:
-                # from the first byte of the request on, the copy is "started": it is
-                # waited for until the source reports a terminal state
-                wait_for_reply = until_set(landed, self.config.request_timeout)
-                sent = 0  # perf_counter_ns once the request is out
-                msg = Load.of(req.req_id, batch, self._epoch.get(src, 0), slab.index,
-                              self.config.verify).to_wire()
+        self._recv_slab_free(slab)
+        if slab.index:
+            await self.transport.share_recv_slab(src, slab)
+        landed = anyio.Event()
+        req = self._requests.open(src, landed.set)
+        try:
+            # from the first byte of the request on, the copy is "started": it is
+            # waited for until the source reports a terminal state
+            wait_for_reply = until_set(landed, self.config.request_timeout)
+            sent = 0  # perf_counter_ns once the request is out
+            msg = Load.of(req.req_id, batch, self._epoch.get(src, 0), slab.index,
+                          self.config.verify).to_wire()
 
-                async def request_and_wait() -> None:
-                    nonlocal sent
-                    if not sent:
-                        # marked before awaiting: a native cancellation that gets through
-                        # the shield during the send must not send the request twice
-                        t_post = sent = perf_counter_ns()
-                        try:
-                            await self.transport.send(src, msg)
-                        except XavierError as exc:
-                            req.fail(exc, settled=True)  # never sent: nothing can land
-                        sent = perf_counter_ns()
-                        self._stages.post.record(sent - t_post)
-                    await wait_for_reply()
+            async def request_and_wait() -> None:
+                nonlocal sent
+                if not sent:
+                    # marked before awaiting: a native cancellation that gets through
+                    # the shield during the send must not send the request twice
+                    t_post = sent = perf_counter_ns()
+                    try:
+                        await self.transport.send(src, msg)
+                    except XavierError as exc:
+                        req.fail(exc, settled=True)  # never sent: nothing can land
+                    sent = perf_counter_ns()
+                    self._stages.post.record(sent - t_post)
+                await wait_for_reply()
 
-                held = await wait_terminal(request_and_wait)
-                self._stages.wait.record(perf_counter_ns() - sent)
-                if not req.done:
-                    m.load_errors += 1
-                    # the source may still write this slab, late: fence it first
-                    self._fence(src, req)
-                    lost = PeerLostError(
-                        f"rank {src} did not complete a copy within {self.config.request_timeout} s")
-                    self._peer_lost(src, lost, disconnect=False)
-                    await self._disconnect(src)  # here, not in a task that could outlive a reconnect
-                    raise held or lost
-                if req.error is not None and not req.settled:
-                    self._fence(src, req)  # failed, but a write for it may still land
-            finally:
-                self._requests.close(req)
-            if held is not None:
-                raise held
-            if req.error is not None:
+            held = await wait_terminal(request_and_wait)
+            self._stages.wait.record(perf_counter_ns() - sent)
+            if not req.done:
                 m.load_errors += 1
-                raise req.error
-            # a cancellation that arrived during the copy surfaces here, before unpacking
-            await anyio.lowlevel.checkpoint()
-            if self.config.verify:
-                got = payload_digest(slab.tensor, batch.nbytes)
-                if got != req.digest:
-                    m.load_errors += 1
-                    raise IntegrityError(
-                        f"batch from rank {src} failed verification (digest {got}, the source "
-                        f"sent {req.digest}): not unpacked, the slots keep their contents")
-            t_unpack = perf_counter_ns()
-            self._unpack(batch, slab)
-            self._stages.unpack.record(perf_counter_ns() - t_unpack)
-            m.batches_received += 1
-            m.bytes_received += req.wire_bytes
-            return req.wire_bytes
+                # the source may still write this slab, late: fence it first
+                self._fence(src, req, slab)
+                lent[0] = False
+                lost = PeerLostError(
+                    f"rank {src} did not complete a copy within {self.config.request_timeout} s")
+                self._peer_lost(src, lost, disconnect=False)
+                await self._disconnect(src)  # here, not in a task that could outlive a reconnect
+                raise held or lost
+            if req.error is not None and not req.settled:
+                self._fence(src, req, slab)  # failed, but a write for it may still land
+                lent[0] = False
+        finally:
+            self._requests.close(req)
+        if held is not None:
+            raise held
+        if req.error is not None:
+            m.load_errors += 1
+            raise req.error
+        # a cancellation that arrived during the copy surfaces here, before unpacking
+        await anyio.lowlevel.checkpoint()
+        if self.config.verify:
+            got = payload_digest(slab.tensor, batch.nbytes)
+            if got != req.digest:
+                m.load_errors += 1
+                raise IntegrityError(
+                    f"batch from rank {src} failed verification (digest {got}, the source "
+                    f"sent {req.digest}): not unpacked, the slots keep their contents")
+        t_unpack = perf_counter_ns()
+        self._unpack(batch, slab)
+        self._stages.unpack.record(perf_counter_ns() - t_unpack)
+        m.batches_received += 1
+        m.bytes_received += req.wire_bytes
+        return req.wire_bytes
 
     def _unpack(self, batch: PlannedBatch, slab: Slab) -> None:
         # one pass (memmoves on the CPU, one fused launch on CUDA). Stream-ordered: only
-        # enqueued, the caches' current stream waits on its event, and the receive slab is
-        # reused only after it has run (_recv_slab_free)
+        # enqueued, the caches' current stream waits on its event, and this receive slab
+        # is lent again only after it has run (_recv_slab_free)
         event = unpack(self._recv_rows[slab.index], batch, self._cache_table, self._device_runs,
                        wait=not self.config.stream_ordered_unpack)
         if event is not None:
             torch.cuda.current_stream(self.layout.device).wait_event(event)
-        self._unpacked = event
+            self._unpacked[slab.index] = event
 
-    def _recv_slab_free(self) -> None:
-        """Wait for the last unpack to have read the receive slab (CUDA only)."""
-        if self._unpacked is not None:
-            self._unpacked.synchronize()
-            self._unpacked = None
+    def _recv_slab_free(self, slab: Slab) -> None:
+        """Wait for the last unpack out of ``slab`` to have read it (CUDA only), before a
+        request names it again."""
+        event = self._unpacked.pop(slab.index, None)
+        if event is not None:
+            event.synchronize()
 
     # -- serving (source side) ------------------------------------------------------------
     def _on_message(self, peer: int, msg: bytes, inline: bool) -> None:
@@ -705,10 +808,12 @@ class Endpoint:
 
     def _on_load(self, peer: int, load: Load, inline: bool) -> None:
         """The one serve path. A request is parsed once; then, with ``inline`` (called from
-        the transport's poller) and when nothing is queued or being served, it is served
-        right here if :func:`decide` says ``Ready`` and the send slab is free: packed and
-        posted without awaiting anything (a copy still running after the post is finished
-        by a task). Everything else goes to the serve queue, in arrival order."""
+        the transport's poller) and when no queued request is still waiting to commit, it
+        is served right here if a send slab is free for it and :func:`decide` says
+        ``Ready`` for that slab: packed and posted without awaiting anything (a copy still
+        running after the post is finished by a task). Everything else goes to the serve
+        queue, in arrival order; queued requests are served concurrently, each in a task
+        of its own holding a send slab (:meth:`_serve_loop`)."""
         arrived = perf_counter_ns()
         stale = check_epoch(load.req_id, load.epoch, self._min_epoch.get(peer, 0))
         if stale is not None:  # its receiver moved on (gave up, or reconnected since)
@@ -720,46 +825,46 @@ class Endpoint:
             return
         if inline and self._state == "open" and not self._queued and self._inbox is not None:
             ch = self._channels.get(peer)
-            if ch is not None:
+            send = self._send.try_acquire(parsed.payload > self._small)
+            if ch is not None and send is not None:
                 t_lookup = perf_counter_ns()
-                d = decide(parsed, self._published, ch.policy, ch.mapped)
+                d = decide(parsed, self._published, ch.policy, ch.mapped_for(send))
                 self._stages.lookup.record(perf_counter_ns() - t_lookup)
+                if isinstance(d, Ready):
+                    self._inflight += 1
+                    self._stages.queue.record(0)
+                    self._post_inline(ch, peer, d, send)
+                    return
+                self._send.release(send)
                 if isinstance(d, Refuse):
                     self._spawn_reply(peer, d.req_id, d.error)
                     return
-                if isinstance(d, Ready):
-                    try:
-                        self._send_free.acquire_nowait()
-                    except anyio.WouldBlock:
-                        pass
-                    else:
-                        self._inflight += 1
-                        self._stages.queue.record(0)
-                        self._post_inline(ch, peer, d)
-                        return
+            elif send is not None:
+                self._send.release(send)
         if self._inbox is not None:
             try:
                 self._inbox.send_nowait((peer, parsed, arrived))
-                self._queued += 1  # until served: later requests may not overtake it
+                self._queued += 1  # until committed: later requests may not overtake it
                 return
             except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
         log.warning("rank %d: cannot serve rank %d now (closing)", self.rank, peer)
 
-    def _post(self, ch: PeerChannel, ready: Ready) -> tuple[CopyPlan, object | None, int]:
-        """Commit the machine, pack the send slab (one pass; on CUDA one launch whose event
-        is waited for, not the device), post the copy. Returns the plan, the transport's
-        pending token (None: already DONE) and when it was posted (perf_counter_ns)."""
+    def _post(self, ch: PeerChannel, ready: Ready, send: int) -> tuple[CopyPlan, object | None, int]:
+        """Commit the machine, pack send slab ``send`` (one pass; on CUDA one launch whose
+        event is waited for, not the device), post the copy. Returns the plan, the
+        transport's pending token (None: already DONE) and when it was posted
+        (perf_counter_ns)."""
         load = ready.load
-        plan = ch.commit(load.payload, ready.view, load.useful, load.slab)
-        assert self.send_slab is not None
+        plan = ch.commit(load.payload, ready.view, load.useful, load.slab, send)
         t_pack = perf_counter_ns()
         try:
-            event = pack(self._send_rows, load.segments, ready.slot_lists, self._cache_table,
+            event = pack(self._send_rows[send], load.segments, ready.slot_lists, self._cache_table,
                          self._device_runs)
             if event is not None:  # NIXL does not order against CUDA streams
                 event.synchronize()
-            digest = payload_digest(self.send_slab.tensor, load.payload) if load.verify else None
+            digest = (payload_digest(self._send_slabs[send].tensor, load.payload)
+                      if load.verify else None)
         except Exception as exc:  # the machine advanced but nothing was posted: start over
             ch.metrics.failures += 1
             ch.reset_now()
@@ -771,33 +876,33 @@ class Endpoint:
             self._stages.post_to_done.record(perf_counter_ns() - posted)
         return plan, pending, posted
 
-    def _post_inline(self, ch: PeerChannel, peer: int, ready: Ready) -> None:
-        """Serve from the poller (send slab held, work counted); never raises."""
+    def _post_inline(self, ch: PeerChannel, peer: int, ready: Ready, send: int) -> None:
+        """Serve from the poller (send slab ``send`` held, work counted); never raises."""
         assert self._tg is not None
         try:
-            plan, pending, posted = self._post(ch, ready)
+            plan, pending, posted = self._post(ch, ready, send)
         except Exception as exc:  # reply with the error; never raise into the poller
-            self._send_free.release()
+            self._send.release(send)
             self._leave_work()
             err = exc if isinstance(exc, XavierError) else TransferError(f"serving failed: {exc!r}")
             self._tg.start_soon(self._after_failure, ch, peer, ready.load.req_id, err)
             return
         if pending is None:
-            self._send_free.release()
+            self._send.release(send)
             self._leave_work()
         else:
             self._tg.start_soon(self._finish_inline, ch, peer, ready.load.req_id, plan, pending,
-                                posted)
+                                posted, send)
 
     async def _finish_inline(self, ch: PeerChannel, peer: int, req_id: int, plan: CopyPlan,
-                             pending: object, posted: int) -> None:
+                             pending: object, posted: int, send: int) -> None:
         try:
             await ch.finish(plan, pending)
             self._stages.post_to_done.record(perf_counter_ns() - posted)
         except XavierError as exc:
             await self._reply_error(peer, req_id, exc)
         finally:
-            self._send_free.release()
+            self._send.release(send)  # the copy is terminal: nothing reads the slab now
             self._leave_work()
 
     async def _after_failure(self, ch: PeerChannel, peer: int, req_id: int, exc: XavierError) -> None:
@@ -817,67 +922,87 @@ class Endpoint:
             pass  # the peer is gone; it will notice on its own
 
     async def _serve_loop(self, inbox: MemoryObjectReceiveStream[tuple[int, ParsedLoad, int]]) -> None:
+        """Start one task per queued request, in arrival order. Each takes its place in the
+        send-slab pool's line here, synchronously, so requests get send slabs in the order
+        they arrived (FIFO; a large one held back by the head-of-line rule does not hold
+        back small ones behind it)."""
+        assert self._tg is not None
         async with inbox:
             async for peer, parsed, arrived in inbox:
-                self._stages.queue.record(perf_counter_ns() - arrived)
-                try:
-                    await self._serve_queued(peer, parsed)
-                finally:
-                    self._queued -= 1
+                ticket = self._send.enqueue(parsed.payload > self._small)
+                self._inflight += 1
+                self._tg.start_soon(self._serve_queued, peer, parsed, arrived, ticket)
 
-    async def _serve_queued(self, peer: int, load: ParsedLoad) -> None:
-        """Serve a request that may need awaiting: a view to map, the send slab to wait for."""
-        self._inflight += 1
+    async def _serve_queued(self, peer: int, load: ParsedLoad, arrived: int, ticket: Ticket) -> None:
+        """Serve a request that may need awaiting: a send slab to wait for, a view to map.
+        Until it commits (or fails), the inline path stays closed (no overtaking)."""
+        queued = True
+        send: int | None = None
         try:
             try:
                 if self._state != "open":
                     raise EndpointClosedError(f"rank {self.rank} is closing")
                 ch = self.channel(peer)
-                t_lookup = perf_counter_ns()
-                first = decide(load, self._published, ch.policy, ch.mapped)
-                self._stages.lookup.record(perf_counter_ns() - t_lookup)
+                first = decide(load, self._published, ch.policy, ch.mapped_for(0))
                 if isinstance(first, Refuse):  # unknown keys: refused before anything else
                     raise first.error
-                async with self._send_free:
-                    while True:
-                        d = decide(load, self._published, ch.policy, ch.mapped)
-                        if isinstance(d, Refuse):
-                            raise d.error
-                        if isinstance(d, NeedsMapping):
-                            await ch.mapping(d.view, d.slab)
-                            if self._channels.get(peer) is not ch:  # the peer left (or restarted)
-                                raise PeerLostError(f"rank {peer} went away before its copy")
-                            continue
-                        break
-                    # re-check right before posting (we may have waited): the requester
-                    # must still be connected on this channel and at this request's epoch
-                    if self._channels.get(peer) is not ch or self._state != "open":
-                        raise PeerLostError(f"rank {peer} went away before its copy")
-                    stale = check_epoch(load.req_id, load.epoch, self._min_epoch.get(peer, 0))
-                    if stale is not None:
-                        raise stale.error
-                    try:
-                        plan, pending, posted = self._post(ch, d)
-                    except TransferError:
-                        await ch.forget()
-                        raise
-                    if pending is not None:  # not finished while posting
-                        await ch.finish(plan, pending)
-                        self._stages.post_to_done.record(perf_counter_ns() - posted)
+                try:
+                    send = await ticket.wait()
+                except BaseException:
+                    ticket.cancel()
+                    raise
+                ticket.keep()
+                self._stages.queue.record(perf_counter_ns() - arrived)
+                while True:
+                    t_lookup = perf_counter_ns()
+                    d = decide(load, self._published, ch.policy, ch.mapped_for(send))
+                    self._stages.lookup.record(perf_counter_ns() - t_lookup)
+                    if isinstance(d, Refuse):
+                        raise d.error
+                    if isinstance(d, NeedsMapping):
+                        await ch.mapping(d.view, d.slab, send)
+                        if self._channels.get(peer) is not ch:  # the peer left (or restarted)
+                            raise PeerLostError(f"rank {peer} went away before its copy")
+                        continue
+                    break
+                # re-check right before posting (we may have waited): the requester
+                # must still be connected on this channel and at this request's epoch
+                if self._channels.get(peer) is not ch or self._state != "open":
+                    raise PeerLostError(f"rank {peer} went away before its copy")
+                stale = check_epoch(load.req_id, load.epoch, self._min_epoch.get(peer, 0))
+                if stale is not None:
+                    raise stale.error
+                queued = False
+                self._queued -= 1  # committed below, with nothing awaited before
+                try:
+                    plan, pending, posted = self._post(ch, d, send)
+                except TransferError:
+                    await ch.forget()
+                    raise
+                if pending is not None:  # not finished while posting
+                    await ch.finish(plan, pending)
+                    self._stages.post_to_done.record(perf_counter_ns() - posted)
             except XavierError as exc:
                 await self._reply_error(peer, load.req_id, exc)
-            except Exception as exc:  # never let one request stop the serve loop
+            except Exception as exc:  # never let one request stop the serving
                 log.exception("rank %d: serving rank %d failed", self.rank, peer)
                 await self._reply_error(peer, load.req_id,
                                         TransferError(f"rank {self.rank} failed serving: {exc!r}"))
         finally:
+            if queued:
+                self._queued -= 1
+            if send is not None:
+                self._send.release(send)  # the copy is terminal, or was never posted
+            else:
+                ticket.cancel()  # leave the line (or give back a slab granted meanwhile)
             self._leave_work()
 
     # -- diagnostics --------------------------------------------------------------------
     def snapshot_metrics(self) -> dict[str, Any]:
-        """Metrics as a plain dict (registrations include the transport's memory ones)."""
+        """Metrics as a plain dict (registrations include the transport's memory ones), with
+        the slab pools' state under ``"slabs"`` (:attr:`recv_slab_stats`)."""
         self.metrics.memory_registrations = self.transport.memory_registrations
-        return self.metrics.as_dict()
+        return {**self.metrics.as_dict(), "slabs": self.recv_slab_stats}
 
 
 class _Host:

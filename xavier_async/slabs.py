@@ -3,23 +3,30 @@
 Both views share the allocation and keep their identity for the endpoint's lifetime, so a
 transport that keys registrations on buffer identity registers each exactly once.
 
-A receiver may own more than one receive slab: :class:`RecvSlabs` *fences* a slab that a
-lost or timed-out source might still write (a one-sided write cannot be revoked by its
-target) and loads carry on in another one, registered once; the fenced slab is released
-only when its stale writer is provably done.
+An endpoint owns a pool of each: ``send_slabs`` send slabs and ``receive_slabs`` receive
+slabs (:class:`SlabPool`), all registered once at start; every copy borrows one of each.
+:class:`RecvSlabs` *fences* a receive slab that a lost or timed-out source might still
+write (a one-sided write cannot be revoked by its target): it leaves the pool, loads carry
+on in the others (a replacement is registered only if the fences leave fewer than the
+pool's size and a load needs one), and it is released only when its stale writer is
+provably done.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import anyio
 import torch
 
 from .errors import InvalidRequestError
 from .sizes import DEFAULT_FULL_BYTES, DEFAULT_SMALL_BYTES, FULL, SMALL, KiB, MiB, SlabSizes, View
 
 __all__ = ["DEFAULT_FULL_BYTES", "DEFAULT_SMALL_BYTES", "KiB", "MiB", "Slab", "SlabView",
-           "allocate_slabs", "slab_sizes", "RecvSlabs", "Fenced", "payload_digest"]
+           "allocate_slabs", "allocate_slab", "slab_sizes", "SlabPool", "Ticket", "large_cap",
+           "RecvSlabs", "Fenced", "payload_digest"]
 
 
 @dataclass(eq=False)
@@ -49,7 +56,8 @@ class Slab:
     direction: str
     tensor: torch.Tensor
     small_bytes: int
-    #: receive slabs are numbered (a load names the one it is written into); 0 is the first
+    #: slabs are numbered within their pool (a load names the receive slab it is written
+    #: into, a mapping the send slab it reads); 0 is the first
     index: int = 0
     full: SlabView = field(init=False)
     small: SlabView = field(init=False)
@@ -93,15 +101,196 @@ def slab_sizes(full_bytes: int | None, small_bytes: int | None) -> tuple[int, in
 
 
 def allocate_slabs(full_bytes: int, small_bytes: int, device: torch.device) -> tuple[Slab, Slab]:
-    """The endpoint's two allocations: (send, receive). Nothing else is ever allocated for copies."""
-    send, recv = (Slab(direction, torch.zeros(full_bytes, dtype=torch.uint8, device=device), small_bytes)
+    """One send and one receive slab (the pool's first ones)."""
+    send, recv = (allocate_slab(direction, full_bytes, small_bytes, device)
                   for direction in ("send", "recv"))
     return send, recv
 
 
+def allocate_slab(direction: str, full_bytes: int, small_bytes: int, device: torch.device,
+                  index: int = 0) -> Slab:
+    """One slab of ``direction`` (``"send"`` or ``"recv"``), numbered ``index``."""
+    return Slab(direction, torch.zeros(full_bytes, dtype=torch.uint8, device=device), small_bytes, index)
+
+
 def allocate_recv_slab(full_bytes: int, small_bytes: int, device: torch.device, index: int) -> Slab:
     """One more receive slab (a fenced one's replacement)."""
-    return Slab("recv", torch.zeros(full_bytes, dtype=torch.uint8, device=device), small_bytes, index)
+    return allocate_slab("recv", full_bytes, small_bytes, device, index)
+
+
+def large_cap(slabs: int) -> int:
+    """How many slabs of a pool of ``slabs`` large batches may hold at once: all but one,
+    so that a small batch never waits behind large ones (one slab: no reservation)."""
+    return slabs - 1 if slabs > 1 else 1
+
+
+class Ticket:
+    """One borrower's place in a :class:`SlabPool`: granted at once, or queued (FIFO).
+    :meth:`wait` returns the slab's index; :meth:`cancel` gives back what it got, or
+    leaves the queue, so a cancelled borrower takes nothing."""
+
+    __slots__ = ("pool", "large", "want", "index", "_event", "_done")
+
+    def __init__(self, pool: SlabPool, large: bool, want: int | None) -> None:
+        self.pool, self.large, self.want = pool, large, want
+        self.index: int | None = None
+        self._event: anyio.Event | None = None
+        self._done = False
+
+    @property
+    def granted(self) -> bool:
+        return self.index is not None
+
+    def _grant(self, index: int) -> None:
+        self.index = index
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> int:
+        """The granted slab's index (waits for it; no timeout: back-pressure is a wait)."""
+        if self.index is None:
+            self._event = anyio.Event()
+            await self._event.wait()
+        else:
+            await anyio.lowlevel.checkpoint()
+        assert self.index is not None
+        return self.index
+
+    def cancel(self) -> None:
+        """Leave the queue, or give the slab back if it was granted (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        if self.index is None:
+            self.pool._leave(self)
+        else:
+            self.pool.release(self.index)
+
+    def keep(self) -> None:
+        """The borrower has the slab: :meth:`cancel` no longer gives it back."""
+        self._done = True
+
+
+class SlabPool:
+    """Slabs of one direction lent to one borrower at a time, by index.
+
+    Free slabs are lent last-released first (the warm one; sequential traffic keeps using
+    one slab, so its mappings are the only ones made). Borrowers that find none free wait
+    in FIFO order; a borrower may ask for one slab by index (``want``).
+
+    No head-of-line blocking: *large* borrowers (a batch bigger than the small view) hold
+    at most :func:`large_cap` slabs at once, so with two or more slabs one is always left
+    for small batches, which then never wait behind a whole large copy. A large waiter
+    held back by the cap does not hold back the small waiters behind it.
+    """
+
+    def __init__(self, indices: Iterable[int], target: int | None = None) -> None:
+        self._free: list[int] = sorted(indices, reverse=True)  # pop() lends the lowest first
+        #: held slab -> whether a large borrower holds it
+        self._held: dict[int, bool] = {}
+        self._large = 0
+        #: the pool's nominal size (the cap on large borrowers derives from it)
+        self.target = target if target is not None else len(self._free)
+        self.cap = large_cap(self.target)
+        self._waiters: deque[Ticket] = deque()
+
+    @property
+    def usable(self) -> int:
+        """Slabs in the pool: free or lent."""
+        return len(self._free) + len(self._held)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def large_held(self) -> int:
+        return self._large
+
+    def peek(self) -> int | None:
+        """The slab the next small borrower would get (``None``: none is free)."""
+        return self._free[-1] if self._free else None
+
+    def _pick(self, large: bool, want: int | None) -> int | None:
+        if want is not None:
+            return want if want in self._free else None
+        if not self._free or (large and self._large >= self.cap):
+            return None
+        return self._free[-1]
+
+    def _take(self, index: int, large: bool) -> None:
+        self._free.remove(index)
+        self._held[index] = large
+        self._large += large
+
+    def try_acquire(self, large: bool, want: int | None = None) -> int | None:
+        """A slab now, or ``None`` (never ahead of a waiter that could take it)."""
+        index = self._pick(large, want)
+        if index is not None:
+            self._take(index, large)
+        return index
+
+    def enqueue(self, large: bool, want: int | None = None) -> Ticket:
+        """A place in line, taken synchronously (so borrowers are served in the order they
+        called this): granted at once when a slab is free for it."""
+        ticket = Ticket(self, large, want)
+        index = self.try_acquire(large, want)
+        if index is not None:
+            ticket._grant(index)
+        else:
+            self._waiters.append(ticket)
+        return ticket
+
+    async def acquire(self, large: bool, want: int | None = None) -> int:
+        """Wait for a slab (FIFO); a cancellation while waiting takes nothing."""
+        ticket = self.enqueue(large, want)
+        try:
+            index = await ticket.wait()
+        except BaseException:
+            ticket.cancel()
+            raise
+        ticket.keep()
+        return index
+
+    def _leave(self, ticket: Ticket) -> None:
+        try:
+            self._waiters.remove(ticket)
+        except ValueError:
+            pass
+
+    def _grant_waiters(self) -> None:
+        for ticket in list(self._waiters):
+            if not self._free:
+                break
+            index = self._pick(ticket.large, ticket.want)
+            if index is not None:
+                self._waiters.remove(ticket)
+                self._take(index, ticket.large)
+                ticket._grant(index)
+
+    def release(self, index: int) -> None:
+        """A lent slab comes back (its copy is terminal and its bytes were used)."""
+        self._large -= self._held.pop(index)
+        self._free.append(index)
+        self._grant_waiters()
+
+    def remove(self, index: int) -> None:
+        """A lent slab leaves the pool (fenced) instead of coming back."""
+        self._large -= self._held.pop(index)
+
+    def add(self, index: int) -> None:
+        """A slab joins the pool (new, or released from a fence)."""
+        assert index not in self._held and index not in self._free
+        self._free.append(index)
+        self._grant_waiters()
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,53 +305,72 @@ class Fenced:
 
 
 class RecvSlabs:
-    """The receiver's receive slabs: one *active* (loads are written there), *spares*
-    (registered, released after a fence) and *fenced* ones (pure bookkeeping; the endpoint
-    registers new slabs with its transport).
+    """The receiver's receive slabs: a :class:`SlabPool` of ``K`` usable ones (each load
+    borrows one), *spares* (registered, released from a fence while the pool was full)
+    and *fenced* ones, which leave the pool (pure bookkeeping; the endpoint registers new
+    slabs with its transport).
 
-    Invariant: a fenced slab is never active and never a spare, so no load reads a slab
-    that a stale writer may still target."""
+    Invariant: a fenced slab is never in the pool and never a spare, so no load reads a
+    slab that a stale writer may still target."""
 
-    def __init__(self, first: Slab) -> None:
-        self.slabs: dict[int, Slab] = {first.index: first}
-        self.active: int | None = first.index
+    def __init__(self, first: Slab | Sequence[Slab]) -> None:
+        slabs = [first] if isinstance(first, Slab) else list(first)
+        self.slabs: dict[int, Slab] = {s.index: s for s in slabs}
+        self.pool = SlabPool(self.slabs)
         self.spares: list[int] = []
         self.fenced: dict[int, Fenced] = {}
+        #: registrations under way (replacements of fenced slabs)
+        self.registering = 0
         #: how many slabs were fenced, released by a late reply, released by a reconnect
         self.fences = self.released_late = self.released_reconnect = 0
 
     @property
+    def target(self) -> int:
+        return self.pool.target
+
+    @property
     def current(self) -> Slab | None:
-        return None if self.active is None else self.slabs[self.active]
+        """The slab the next load would be written into (``None``: none is free)."""
+        index = self.pool.peek()
+        return None if index is None else self.slabs[index]
 
     @property
     def next_index(self) -> int:
         return max(self.slabs) + 1
 
-    def fence(self, peer: int, incarnation: str, req_id: int) -> None:
-        """Fence the active slab (``peer`` may still write it for ``req_id``) and make a
-        spare active, if there is one (else :attr:`active` is ``None``: add a slab)."""
-        if self.active is None:
-            return
-        self.fenced[self.active] = Fenced(self.active, peer, incarnation, req_id)
+    def short(self) -> bool:
+        """Fences left fewer than ``K`` usable slabs (counting those being registered)
+        and none is free: a replacement should be registered."""
+        return (not self.pool.free and not self.spares
+                and self.pool.usable + self.registering < self.target)
+
+    def fence(self, index: int, peer: int, incarnation: str, req_id: int) -> None:
+        """Fence lent slab ``index`` (``peer`` may still write it for ``req_id``): it
+        leaves the pool; a spare takes its place if there is one."""
+        self.pool.remove(index)
+        self.fenced[index] = Fenced(index, peer, incarnation, req_id)
         self.fences += 1
-        self.active = self.spares.pop() if self.spares else None
+        self._refill()
+
+    def _refill(self) -> None:
+        while self.spares and self.pool.usable < self.target:
+            self.pool.add(self.spares.pop())
 
     def add(self, slab: Slab) -> None:
-        """A newly registered slab becomes the active one."""
+        """A newly registered slab joins the pool."""
         assert slab.index not in self.slabs
         self.slabs[slab.index] = slab
-        if self.active is None:
-            self.active = slab.index
+        self._put(slab.index)
+
+    def _put(self, index: int) -> None:
+        if self.pool.usable < self.target:
+            self.pool.add(index)
         else:
-            self.spares.append(slab.index)
+            self.spares.append(index)
 
     def _release(self, index: int) -> None:
         del self.fenced[index]
-        if self.active is None:
-            self.active = index
-        else:
-            self.spares.append(index)
+        self._put(index)
 
     def release_reply(self, peer: int, req_id: int) -> bool:
         """The stale writer's reply for ``req_id`` arrived: its write is terminal."""
@@ -185,8 +393,9 @@ class RecvSlabs:
         return n
 
     def stats(self) -> dict[str, int]:
-        return {"registered": len(self.slabs), "fenced_now": len(self.fenced),
-                "spares": len(self.spares), "fences": self.fences,
+        return {"registered": len(self.slabs), "pool": self.target, "usable": self.pool.usable,
+                "in_use": self.pool.held, "waiting": self.pool.waiting,
+                "fenced_now": len(self.fenced), "spares": len(self.spares), "fences": self.fences,
                 "released_late": self.released_late, "released_reconnect": self.released_reconnect}
 
 

@@ -69,6 +69,8 @@ class _Stalled:
     fail: bool
     #: where the bytes go even if the connection ends (``late_writes_land``)
     target: Any = None
+    #: a held write waits for this instead of ``delay`` (:meth:`FaultyTransport.hold_next_writes`)
+    gate: anyio.Event | None = None
 
 
 class FaultyTransport(Transport):
@@ -84,6 +86,8 @@ class FaultyTransport(Transport):
         self._fail_registrations = 0
         self._fail_writes = 0
         self._stall_writes: list[float] = []
+        self._hold_writes = 0
+        self._gate = anyio.Event()
         self._lost: set[int] = set()
         self._writes: dict[int, int] = {}
         self._corrupt_writes = 0
@@ -108,6 +112,16 @@ class FaultyTransport(Transport):
     def stall_next_writes(self, n: int = 1, seconds: float = 0.05) -> None:
         """The next ``n`` writes take ``seconds`` longer before they complete."""
         self._stall_writes.extend([seconds] * n)
+
+    def hold_next_writes(self, n: int = 1) -> None:
+        """The next ``n`` writes are stalled until :meth:`release_held` (no clock: a test
+        orders "while these copies are in flight" without timing)."""
+        self._hold_writes += n
+
+    def release_held(self) -> None:
+        """Let every write held so far complete (or fail, if its peer is gone)."""
+        self._gate.set()
+        self._gate = anyio.Event()
 
     async def wait_stalled(self, n: int = 1) -> None:
         """Return once ``n`` writes in all have been stalled: each such copy has started
@@ -149,6 +163,9 @@ class FaultyTransport(Transport):
             raise InvalidRequestError("late_writes_land needs a LocalTransport inside")
         self._host, self._send = host, send
         await self.inner.start(host, send, recv, tg)
+
+    async def add_send_slab(self, slab: Slab) -> None:
+        await self.inner.add_send_slab(slab)
 
     async def add_recv_slab(self, slab: Slab) -> None:
         await self.inner.add_recv_slab(slab)
@@ -202,11 +219,17 @@ class FaultyTransport(Transport):
             self._corrupt_writes = max(0, self._corrupt_writes - 1)
             self._corrupt(peer, mapping, nbytes, notify)
             return None
-        if self._stall_writes or self._rng.random() < self.plan.write_stall_rate:
-            delay = self._stall_writes.pop(0) if self._stall_writes else self.plan.stall_seconds
+        held = self._hold_writes > 0
+        if held or self._stall_writes or self._rng.random() < self.plan.write_stall_rate:
+            gate = None
+            if held:
+                self._hold_writes -= 1
+                delay, gate = 0.0, self._gate
+            else:
+                delay = self._stall_writes.pop(0) if self._stall_writes else self.plan.stall_seconds
             self.injected.writes_stalled += 1
             target = self.inner.target(peer, mapping) if self.plan.late_writes_land else None  # type: ignore[attr-defined]
-            stalled = _Stalled(peer, mapping, nbytes, notify, delay, fail, target)
+            stalled = _Stalled(peer, mapping, nbytes, notify, delay, fail, target, gate)
             self._stalled.append(stalled)
             for n, event in [w for w in self._stall_waiters if w[0] <= self.injected.writes_stalled]:
                 self._stall_waiters.remove((n, event))
@@ -221,7 +244,8 @@ class FaultyTransport(Transport):
         """Post the write with one bit of its first byte flipped on the way, then put the
         sender's byte back (the send slab is intact afterwards)."""
         assert self._send is not None
-        first = self._send.tensor[:1]
+        view = getattr(mapping, "view", None)  # the send slab this write reads
+        first = (view.tensor if view is not None else self._send.tensor)[:1]
         saved = first.clone()
         first.bitwise_xor_(1 << self._rng.randrange(8))
         try:
@@ -237,7 +261,10 @@ class FaultyTransport(Transport):
             await self.inner.wait(pending)
             return
         try:
-            await anyio.sleep(pending.delay)
+            if pending.gate is not None:
+                await pending.gate.wait()
+            else:
+                await anyio.sleep(pending.delay)
             if pending.target is not None and not pending.fail:
                 other, dst = pending.target
                 if self._host is not None and getattr(self.inner, "_peers", {}).get(pending.peer) is not other:

@@ -93,12 +93,20 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def map_view(self, peer: int, view: SlabView, slab: int = 0) -> object:
-        """Map our send ``view`` to the view of the same size of the peer's receive slab
-        number ``slab`` (may fail; a slab the peer has not shared is an error)."""
+        """Map our send ``view`` (of any of our send slabs) to the view of the same size of
+        the peer's receive slab number ``slab`` (may fail; a slab the peer has not shared
+        is an error). Each (send slab, view, receive slab) has its own mapping: the engine
+        never has two copies in flight through one."""
+
+    async def add_send_slab(self, slab: Slab) -> None:
+        """Register one more send slab (the endpoint's send-slab pool: slabs 1.. are added
+        right after :meth:`start`). Counts one memory registration."""
+        raise NotImplementedError(f"the {self.name} transport cannot add send slabs")
 
     async def add_recv_slab(self, slab: Slab) -> None:
-        """Register one more receive slab (the replacement of a fenced one). Peers learn
-        of it through :meth:`share_recv_slab`. Counts one memory registration."""
+        """Register one more receive slab (the pool's slabs 1.. right after :meth:`start`,
+        later the replacement of a fenced one). Peers learn of it in the handshake or
+        through :meth:`share_recv_slab`. Counts one memory registration."""
         raise NotImplementedError(f"the {self.name} transport cannot add receive slabs")
 
     async def share_recv_slab(self, peer: int, slab: Slab) -> None:

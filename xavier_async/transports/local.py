@@ -70,9 +70,11 @@ class LocalTransport(Transport):
         self.fabric = fabric if fabric is not None else LocalFabric()
         self._address: str | None = None
         self._peers: dict[int, LocalTransport] = {}
-        self._mappings: dict[int, set[tuple[str, int]]] = {}
+        self._mappings: dict[int, set[tuple[int, str, int]]] = {}
         self.host: TransportHost | None = None
         self.send_slab: Slab | None = None
+        #: send slabs by index
+        self.send_slabs: dict[int, Slab] = {}
         #: receive slabs by index (a fenced slab's replacement is added later)
         self.recv_slabs: dict[int, Slab] = {}
 
@@ -83,9 +85,15 @@ class LocalTransport(Transport):
 
     async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
         self.host, self.send_slab = host, send
+        self.send_slabs = {send.index: send}
         self.recv_slabs = {recv.index: recv}
         self.memory_registrations += 2
         self._address = self.fabric._join(self)
+
+    async def add_send_slab(self, slab: Slab) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.send_slabs[slab.index] = slab
+        self.memory_registrations += 1
 
     async def add_recv_slab(self, slab: Slab) -> None:
         await anyio.lowlevel.checkpoint()
@@ -126,20 +134,22 @@ class LocalTransport(Transport):
     async def map_view(self, peer: int, view: SlabView, slab: int = 0) -> object:
         await anyio.lowlevel.checkpoint()
         other = self._peer(peer)
+        if self.send_slabs.get(view.slab.index) is not view.slab:
+            raise InvalidRequestError(f"{view} is not a view of this endpoint's send slabs")
         target = other.recv_slabs.get(slab)
         if target is None:
             raise InvalidRequestError(f"rank {peer} has no receive slab {slab}")
         if target[view.name].nbytes != view.nbytes:  # the peer must have the same view
             raise InvalidRequestError(f"rank {peer} has no receive view like {view}")
-        self._mappings.setdefault(peer, set()).add((view.name, slab))
+        self._mappings.setdefault(peer, set()).add((view.slab.index, view.name, slab))
         return LocalMapping(view, slab)
 
     def target(self, peer: int, mapping: object) -> tuple[LocalTransport, torch.Tensor]:
         """The peer and the receive slab tensor a mapping writes into (fault injection
         uses it to land a write after the connection is gone)."""
         other = self._peer(peer)
-        if not isinstance(mapping, LocalMapping) or (mapping.view.name, mapping.slab) \
-                not in self._mappings.get(peer, ()):
+        if not isinstance(mapping, LocalMapping) or (
+                mapping.view.slab.index, mapping.view.name, mapping.slab) not in self._mappings.get(peer, ()):
             raise TransferError(f"{mapping!r} is not mapped for rank {peer}")
         return other, other.recv_slabs[mapping.slab].tensor
 

@@ -1,9 +1,11 @@
 """NIXL transport: one NIXL agent per endpoint, each slab registered once.
 
-* Memory: the send and receive slabs are registered once at start (DRAM, or VRAM on the
-  caches' GPU). Views and peers never register memory again; a view *mapping* is a
-  pre-built NIXL transfer handle (local view -> the peer's receive view, equal lengths)
-  that is re-posted for every copy.
+* Memory: the send and receive slabs (the endpoint's pools) are registered once at start
+  (DRAM, or VRAM on the caches' GPU). Views and peers never register memory again; a view
+  *mapping* is a pre-built NIXL transfer handle (a view of one send slab -> the peer's
+  receive view of one receive slab, equal lengths) that is re-posted for every copy. A
+  handle cannot be re-posted while in flight; the engine never has two copies in flight
+  through one (each holds its send and its receive slab until terminal).
 * Discovery: each endpoint listens on ``host:port`` (TCP). :meth:`connect` exchanges a
   small handshake there (protocol version, rank, layout, slab sizes, NIXL agent metadata,
   receive-slab address) and both ends add each other's agent. The TCP stream then stays
@@ -144,8 +146,8 @@ class _Peer:
         self.hello = hello
         self.lost = False
         self.joined = False
-        #: (view bytes, the peer's receive slab) -> _Mapping
-        self.handles: dict[tuple[int, int], _Mapping] = {}
+        #: (our send slab, view bytes, the peer's receive slab) -> _Mapping
+        self.handles: dict[tuple[int, int, int], _Mapping] = {}
         #: our receive slabs this peer knows (their registrations reached its agent)
         self.told = told
 
@@ -155,8 +157,8 @@ class _Peer:
 
 
 class _Mapping:
-    """Transfer handles for one (peer, view): the view-length handle plus a bounded cache
-    of exact-length handles for trimmed copies."""
+    """Transfer handles for one (peer, send slab, view, peer's receive slab): the
+    view-length handle plus a bounded cache of exact-length handles for trimmed copies."""
 
     __slots__ = ("view_bytes", "local_ptr", "by_len", "slab")
 
@@ -327,6 +329,8 @@ class NixlTransport(Transport):
         self._host: TransportHost | None = None
         self._tg: TaskGroup | None = None
         self._send_slab: Slab | None = None
+        #: our send slabs by index (the first is _send_slab)
+        self._send_slabs: dict[int, Slab] = {}
         self._recv_slab: Slab | None = None
         self._mem = "DRAM"
         self._dev = 0
@@ -360,6 +364,7 @@ class NixlTransport(Transport):
     async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
         self._host, self._tg = host, tg
         self._send_slab, self._recv_slab = send, recv
+        self._send_slabs = {send.index: send}
         dev = send.device
         if dev.type == "cuda":
             self._mem, self._dev = "VRAM", dev.index if dev.index is not None else 0
@@ -385,6 +390,14 @@ class NixlTransport(Transport):
     def _reg_descs(self, slab: Slab) -> Any:
         return self._agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self._dev, "")],
                                          self._mem)
+
+    async def add_send_slab(self, slab: Slab) -> None:
+        await anyio.lowlevel.checkpoint()
+        if self._send_slab is None or slab.device != self._send_slab.device:
+            raise InvalidRequestError(f"send slab on {slab.device}, not on the endpoint's device")
+        self._reg.append(self._agent.register_memory(self._reg_descs(slab)))
+        self._send_slabs[slab.index] = slab
+        self.memory_registrations += 1
 
     async def add_recv_slab(self, slab: Slab) -> None:
         await anyio.lowlevel.checkpoint()
@@ -783,17 +796,18 @@ class NixlTransport(Transport):
 
     async def map_view(self, peer: int, view: SlabView, slab: int = 0) -> object:
         p = self._peer(peer)
-        assert self._send_slab is not None
-        if view.slab is not self._send_slab:
-            raise InvalidRequestError(f"{view} is not a view of this endpoint's send slab")
+        send = view.slab.index
+        if self._send_slabs.get(send) is not view.slab:
+            raise InvalidRequestError(f"{view} is not a view of this endpoint's send slabs")
         if slab not in p.recv_ptrs:
             raise InvalidRequestError(f"rank {peer} has not shared a receive slab {slab}")
         await anyio.lowlevel.checkpoint()
-        old = p.handles.get((view.nbytes, slab))
+        key = (send, view.nbytes, slab)
+        old = p.handles.get(key)
         if old is not None:
             return old
         m = _Mapping(view.nbytes, view.data_ptr, self._handle(p, view.data_ptr, view.nbytes, slab), slab)
-        p.handles[(view.nbytes, slab)] = m
+        p.handles[key] = m
         return m
 
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:

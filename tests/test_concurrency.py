@@ -1,0 +1,566 @@
+"""Many loads in flight: the receive-slab and send-slab pools (issue 11).
+
+In process (LocalTransport, FaultyTransport holding writes until the test lets them go, so
+"while these copies are in flight" is an ordering, never a clock), and over real NIXL
+between three processes. Every load's bytes are checked.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+import torch
+
+from xavier_async import EndpointClosedError, EndpointConfig, IntegrityError, PeerLostError
+from xavier_async.slabs import SlabPool
+
+from .conftest import (KiB, assert_same_bytes, cluster, faulty,
+                       random_cache, snapshot, zero_cache)
+
+anyio_test = pytest.mark.anyio   # the in-process tests run on asyncio and trio
+
+SLOTS = 128
+K, S = 4, 4
+CFG = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB)   # default pools: K = S = 4
+SMALL = [0]                       # one 1 KiB block: fits the small view
+LARGE = [0, 1, 2, 3, 4, 5]        # six blocks: a large batch
+
+
+def caches(n: int) -> list[dict[int, torch.Tensor]]:
+    """Rank 0 loads (zeros); the others serve random bytes (1 KiB blocks)."""
+    return [{0: zero_cache(SLOTS, (256,), torch.float32)}] + [
+        {0: random_cache(SLOTS, (256,), torch.float32, seed=r)} for r in range(1, n)]
+
+
+def publish(*eps) -> None:
+    for ep in eps:
+        for s in range(SLOTS):
+            ep.publish(s, s)
+
+
+def req(src: int, keys: list[int], slot0: int) -> dict:
+    return {src: {0: {k: slot0 + i for i, k in enumerate(keys)}}}
+
+
+def check(dst, srcs, request: dict) -> None:
+    for src, layers in request.items():
+        for key, slot in layers[0].items():
+            assert_same_bytes(dst[0][slot], srcs[src][0][key])
+
+
+async def until(cond, what: str) -> None:
+    """Yield to the other tasks until ``cond()`` holds (bounded; an ordering, not a timing)."""
+    with anyio.fail_after(10):
+        while not cond():
+            await anyio.sleep(0)
+    assert cond(), what
+
+
+def test_config_validates_the_pool_sizes():
+    assert (CFG.receive_slabs, CFG.send_slabs) == (K, S)
+    for bad in (0, -1, 1.5, True, "4"):
+        with pytest.raises(Exception, match="receive_slabs"):
+            EndpointConfig(receive_slabs=bad)
+        with pytest.raises(Exception, match="send_slabs"):
+            EndpointConfig(send_slabs=bad)
+
+
+def test_the_pool_reserves_a_slab_for_small_batches_and_serves_in_order():
+    pool = SlabPool(range(3))
+    a = pool.try_acquire(large=True)
+    b = pool.try_acquire(large=True)
+    assert (a, b) == (0, 1) and pool.try_acquire(large=True) is None     # the cap: 2 of 3
+    big = pool.enqueue(large=True)                                       # waits (cap)
+    small = pool.enqueue(large=False)                                    # not behind it
+    assert small.granted and not big.granted and small.index == 2
+    late = pool.enqueue(large=False)
+    pool.release(small.index)          # a small one came back: the small waiter, not the big
+    assert late.granted and not big.granted
+    pool.release(a)                    # a large one came back: the large waiter gets it
+    assert big.granted and pool.large_held == 2
+    late.cancel()                      # a granted ticket cancelled gives its slab back
+    assert pool.free == 1
+    one = SlabPool([0])                # one slab: no reservation
+    assert one.try_acquire(large=True) == 0
+
+
+@anyio_test
+async def test_many_loads_in_flight_from_two_sources_every_byte_checked():
+    """16 concurrent loads, small and large, from two sources; the sources' first writes
+    are held until K loads are in flight at once (so the pools really are used)."""
+    cs = caches(3)
+    async with cluster(cs, CFG, wrap={1: faulty(), 2: faulty()}) as (a, b, c):
+        publish(b, c)
+        rng = random.Random(5)
+        # distinct destination slots per load: slots 6i .. 6i + 5
+        requests = [req(1 + i % 2, rng.sample(range(SLOTS), 1 if i % 4 < 2 else len(LARGE)),
+                        slot0=6 * i) for i in range(16)]
+        b.transport.hold_next_writes(2)
+        c.transport.hold_next_writes(2)
+        async with anyio.create_task_group() as tg:
+            for r in requests:
+                tg.start_soon(a.load, r)
+            # four copies in flight at once: two served by b, two by c, four receive slabs
+            await b.transport.wait_stalled(2)
+            await c.transport.wait_stalled(2)
+            assert a.recv_slab_stats["in_use"] == K
+            b.transport.release_held()
+            c.transport.release_held()
+        for r in requests:
+            check(cs[0], cs, r)
+        assert a.metrics.loads == 16
+        assert a.recv_slab_stats["in_use"] == 0 and a.recv_slab_stats["usable"] == K
+
+
+@anyio_test
+async def test_one_slab_each_way_is_the_one_batch_at_a_time_design():
+    """K = S = 1: two registrations per endpoint, one batch in flight at a time, and
+    concurrent loads still all complete with the right bytes (they queue)."""
+    cs = caches(3)
+    one = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=1, send_slabs=1)
+    async with cluster(cs, one) as (a, b, c):
+        publish(b, c)
+        assert all(ep.transport.memory_registrations == 2 for ep in (a, b, c))
+        rng = random.Random(2)
+        requests = [req(1 + i % 2, rng.sample(range(SLOTS), 1 if i % 3 else len(LARGE)), slot0=6 * i)
+                    for i in range(16)]
+        async with anyio.create_task_group() as tg:
+            for r in requests:
+                tg.start_soon(a.load, r)
+            await until(lambda: a.recv_slab_stats["waiting"] > 1, "loads queue for the one slab")
+            assert a.recv_slab_stats["in_use"] == 1
+        for r in requests:
+            check(cs[0], cs, r)
+        assert all(ep.transport.memory_registrations == 2 for ep in (a, b, c))
+
+
+@anyio_test
+async def test_a_source_serves_several_copies_at_once_to_one_and_to_several_peers():
+    cs = caches(2) + [{0: zero_cache(SLOTS, (256,), torch.float32)}]
+    async with cluster(cs, CFG, wrap={1: faulty()}) as (a, b, d):
+        publish(b)
+        b.transport.hold_next_writes(3)
+        ra, ra2, rd = req(1, [1], 0), req(1, [2], 1), req(1, [3], 2)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.load, ra)
+            tg.start_soon(a.load, ra2)
+            tg.start_soon(d.load, rd)
+            await b.transport.wait_stalled(3)    # two copies to rank 0 and one to rank 2
+            assert b.recv_slab_stats["sends_in_use"] == 3
+            b.transport.release_held()
+        check(cs[0], cs, ra)
+        check(cs[0], cs, ra2)
+        check(cs[2], cs, rd)
+        assert b.recv_slab_stats["sends_in_use"] == 0
+
+
+@anyio_test
+async def test_queued_requests_get_send_slabs_in_arrival_order():
+    """With the source's one send slab busy, requests queue; they are served in the order
+    they arrived (each write's target receive slab tells which request it serves)."""
+    cs = caches(2)
+    cfgs = [CFG, EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, send_slabs=1)]
+    async with cluster(cs, cfgs, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        inner = b.transport.inner
+        order: list[int] = []
+        post = inner.post
+
+        def recording_post(peer, mapping, nbytes, notify):
+            order.append(mapping.slab)
+            return post(peer, mapping, nbytes, notify)
+
+        inner.post = recording_post
+        b.transport.hold_next_writes(1)
+        rs = [req(1, [i], slot0=i) for i in range(K)]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.load, rs[0])
+            await b.transport.wait_stalled(1)
+            for n, r in enumerate(rs[1:], start=1):
+                tg.start_soon(a.load, r)
+                await until(lambda: b._queued == n, "queued at the source, in this order")
+            held = a._recv.pool._held
+            slabs = sorted(held)          # each load holds its own receive slab
+            b.transport.release_held()
+        assert order == slabs == [0, 1, 2, 3]
+        for r in rs:
+            check(cs[0], cs, r)
+
+
+@anyio_test
+@pytest.mark.parametrize("receive_slabs", [K, 1])
+async def test_a_small_load_completes_while_large_ones_are_stalled(receive_slabs):
+    """No head-of-line blocking: with K - 1 large copies held, one more large load waits
+    and a small one goes through (its bytes checked) before any large one has finished.
+    With one receive slab there is no reservation: the small load waits too."""
+    cs = caches(2)
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=receive_slabs)
+    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        held = max(1, receive_slabs - 1)
+        large = [req(1, LARGE, slot0=8 * i) for i in range(held + 1)]
+        small = req(1, [40], slot0=60)
+        b.transport.hold_next_writes(held)
+        done: list[str] = []
+
+        async def load(name: str, r: dict) -> None:
+            await a.load(r)
+            done.append(name)
+
+        async with anyio.create_task_group() as tg:
+            for i, r in enumerate(large[:held]):
+                tg.start_soon(load, f"large{i}", r)
+            await b.transport.wait_stalled(held)
+            tg.start_soon(load, "large-waiting", large[held])
+            await until(lambda: a.recv_slab_stats["waiting"] == 1, "the extra large load waits")
+            tg.start_soon(load, "small", small)
+            if receive_slabs > 1:
+                with anyio.fail_after(10):
+                    await until(lambda: "small" in done, "the small load finished")
+                assert done == ["small"]                    # no large copy has finished
+                check(cs[0], cs, small)
+                assert a.recv_slab_stats["waiting"] == 1    # the extra large one still waits
+            else:
+                await until(lambda: a.recv_slab_stats["waiting"] == 2, "both wait")
+                assert done == []
+            b.transport.release_held()
+        assert sorted(done) == sorted([f"large{i}" for i in range(held)] + ["large-waiting", "small"])
+        for r in large + [small]:
+            check(cs[0], cs, r)
+
+
+@anyio_test
+async def test_back_pressure_is_a_wait_never_an_error():
+    cs = caches(2)
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=2, send_slabs=2)
+    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.hold_next_writes(2)
+        rs = [req(1, [i], slot0=i) for i in range(6)]
+        async with anyio.create_task_group() as tg:
+            for r in rs:
+                tg.start_soon(a.load, r)
+            await b.transport.wait_stalled(2)
+            await until(lambda: a.recv_slab_stats["waiting"] == 4, "four loads wait for a slab")
+            assert a.recv_slab_stats["in_use"] == 2 and b.recv_slab_stats["sends_in_use"] == 2
+            b.transport.release_held()
+        for r in rs:
+            check(cs[0], cs, r)
+        assert a.recv_slab_stats["registered_since_start"] == 0
+
+
+@anyio_test
+async def test_cancelling_a_load_that_waits_for_a_slab_takes_nothing():
+    cs = caches(2)
+    before = snapshot(cs[0])
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=2)
+    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.hold_next_writes(2)
+        rs = [req(1, [i], slot0=i) for i in range(2)]
+        scope = anyio.CancelScope()
+        outcome: dict[str, bool] = {}
+
+        async def waiting_load() -> None:
+            with scope:
+                await a.load(req(1, [9], slot0=20))
+            outcome["cancelled"] = scope.cancelled_caught
+
+        async with anyio.create_task_group() as tg:
+            for r in rs:
+                tg.start_soon(a.load, r)
+            await b.transport.wait_stalled(2)
+            tg.start_soon(waiting_load)
+            await until(lambda: a.recv_slab_stats["waiting"] == 1, "it waits for a slab")
+            scope.cancel()
+            await until(lambda: "cancelled" in outcome, "the cancellation returned")
+            assert outcome["cancelled"]
+            stats = a.recv_slab_stats
+            assert stats["waiting"] == 0 and stats["in_use"] == 2     # it took nothing
+            b.transport.release_held()
+        assert b.metrics.peer(0).batches_sent == 2                     # nothing sent for it
+        assert_same_bytes(cs[0][0][20], before[0][20])
+        for r in rs:
+            check(cs[0], cs, r)
+        assert a.recv_slab_stats["in_use"] == 0 and a.recv_slab_stats["usable"] == 2
+
+
+@anyio_test
+async def test_a_cancelled_load_keeps_its_slab_until_its_copy_is_terminal():
+    cs = caches(2)
+    before = snapshot(cs[0])
+    async with cluster(cs, CFG, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.hold_next_writes(1)
+        scope = anyio.CancelScope()
+        outcome: dict[str, bool] = {}
+
+        async def cancelled_load() -> None:
+            with scope:
+                await a.load(req(1, [5], slot0=5))
+            outcome["cancelled"] = scope.cancelled_caught
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancelled_load)
+            await b.transport.wait_stalled(1)
+            scope.cancel()
+            # meanwhile other loads use the other slabs, never the lent one
+            lent = a._recv.pool._held.copy()
+            for i in range(8):
+                r = req(1, [10 + i], slot0=10 + i)
+                await a.load(r)
+                check(cs[0], cs, r)
+                assert a._recv.pool._held.keys() >= lent.keys()
+            assert "cancelled" not in outcome and a.recv_slab_stats["in_use"] == 1
+            b.transport.release_held()
+        assert outcome["cancelled"]
+        assert a.recv_slab_stats["in_use"] == 0                        # back once terminal
+        assert_same_bytes(cs[0][0][5], before[0][5])                   # not unpacked
+
+
+@anyio_test
+async def test_a_lost_peer_fails_only_its_own_loads():
+    cs = caches(3)
+    async with cluster(cs, CFG, wrap={1: faulty(), 2: faulty()}) as (a, b, c):
+        publish(b, c)
+        b.transport.hold_next_writes(2)
+        c.transport.hold_next_writes(1)
+        results: dict[str, BaseException | None] = {}
+        rs = {"b0": req(1, [1], 0), "b1": req(1, [2], 1), "c0": req(2, LARGE, 8), "c1": req(2, [3], 2)}
+
+        async def load(name: str) -> None:
+            try:
+                await a.load(rs[name])
+                results[name] = None
+            except PeerLostError as exc:
+                results[name] = exc
+
+        async with anyio.create_task_group() as tg:
+            for name in rs:
+                tg.start_soon(load, name)
+            await b.transport.wait_stalled(2)
+            await c.transport.wait_stalled(1)
+            b.transport.lose_peer(0)                   # rank 1 vanishes with two copies in flight
+            await until(lambda: "b0" in results and "b1" in results, "rank 1's loads failed")
+            c.transport.release_held()
+            b.transport.release_held()
+        assert isinstance(results["b0"], PeerLostError) and isinstance(results["b1"], PeerLostError)
+        assert results["c0"] is None and results["c1"] is None
+        check(cs[0], cs, rs["c0"])
+        check(cs[0], cs, rs["c1"])
+        r = req(2, LARGE, 30)                           # the pool still works
+        await a.load(r)
+        check(cs[0], cs, r)
+
+
+@anyio_test
+async def test_close_drains_every_load_in_flight():
+    cs = caches(3)
+    async with cluster(cs, CFG, wrap={1: faulty(), 2: faulty()}) as (a, b, c):
+        publish(b, c)
+        b.transport.hold_next_writes(2)
+        c.transport.hold_next_writes(2)
+        rs = [req(1, [1], 0), req(1, LARGE, 8), req(2, [2], 1), req(2, LARGE, 16)]
+        done: list[int] = []
+        closed = anyio.Event()
+
+        async def load(i: int) -> None:
+            await a.load(rs[i])
+            done.append(i)
+
+        async def close() -> None:
+            await a.aclose()
+            closed.set()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(rs)):
+                tg.start_soon(load, i)
+            await b.transport.wait_stalled(2)
+            await c.transport.wait_stalled(2)
+            tg.start_soon(close)
+            await until(lambda: a.closed, "closing")
+            with pytest.raises(EndpointClosedError):
+                await a.load(req(1, [3], 3))              # new work is refused
+            assert not closed.is_set() and done == []     # close waits for the copies
+            b.transport.release_held()
+            c.transport.release_held()
+        assert closed.is_set() and sorted(done) == [0, 1, 2, 3]
+        for r in rs:
+            check(cs[0], cs, r)
+
+
+@anyio_test
+async def test_registrations_are_s_plus_k_at_start_and_none_after_warm_up():
+    cs = caches(3)
+    async with cluster(cs, CFG) as (a, b, c):
+        publish(b, c)
+        for ep in (a, b, c):
+            assert ep.transport.memory_registrations == S + K
+            assert ep.recv_slab_stats["registered_at_start"] == S + K
+        rng = random.Random(1)
+        for _ in range(5):
+            requests = [req(1 + i % 2, rng.sample(range(SLOTS), rng.choice([1, 1, 6])), slot0=6 * i)
+                        for i in range(16)]
+            async with anyio.create_task_group() as tg:
+                for r in requests:
+                    tg.start_soon(a.load, r)
+            for r in requests:
+                check(cs[0], cs, r)
+        for ep in (a, b, c):
+            assert ep.transport.memory_registrations == S + K
+            assert ep.recv_slab_stats["registered_since_start"] == 0
+        for ep in (b, c):   # view mappings: at most one per (send slab, view, receive slab)
+            assert ep.metrics.peer(0).registrations <= S * 2 * K
+
+
+@anyio_test
+async def test_verify_checks_each_concurrent_batch_in_its_own_slab():
+    cs = caches(2)
+    before = snapshot(cs[0])
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, verify=True)
+    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.transport.hold_next_writes(3)
+        rs = [req(1, LARGE, 0), req(1, [7], 10), req(1, LARGE, 20)]
+        results: list[object] = [None] * 4
+
+        async def load(i: int, r: dict) -> None:
+            try:
+                await a.load(r)
+                results[i] = "ok"
+            except IntegrityError as exc:
+                results[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i, r in enumerate(rs):
+                tg.start_soon(load, i, r)
+            await b.transport.wait_stalled(3)
+            b.transport.corrupt_next_writes(1)          # the next write, while three are held
+            tg.start_soon(load, 3, req(1, [8], 30))
+            await until(lambda: results[3] is not None, "the corrupted load ended")
+            b.transport.release_held()
+        assert isinstance(results[3], IntegrityError)
+        assert_same_bytes(cs[0][0][30], before[0][30])   # not unpacked
+        assert results[:3] == ["ok"] * 3
+        for r in rs:
+            check(cs[0], cs, r)
+
+
+@anyio_test
+async def test_a_fenced_slab_leaves_the_pool_and_the_others_carry_on():
+    """A timed-out copy's receive slab is fenced: it leaves the pool, loads go on in the
+    others; when they are all busy and loads wait, one replacement is registered (caused
+    by the fence), the stale writer's late write lands only in the fenced slab, and its
+    late reply makes it a spare, which the next fence uses instead of registering."""
+    cs = caches(3)
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, request_timeout=0.2)
+    async with cluster(cs, cfg, wrap={1: faulty(late_writes_land=True)}) as (a, b, c):
+        publish(b, c)
+        b.transport.hold_next_writes(1)
+        with pytest.raises(PeerLostError):
+            await a.load(req(1, [3], 3))
+        stats = a.recv_slab_stats
+        assert stats["fenced_now"] == 1 and stats["usable"] == K - 1
+        assert stats["registered_since_start"] == 0      # not needed yet: three are free
+        fenced = next(iter(a._recv.fenced))
+        rs = [req(2, [i], 10 + i) for i in range(12)]
+        async with anyio.create_task_group() as tg:
+            for r in rs:
+                tg.start_soon(a.load, r)
+        for r in rs:
+            check(cs[0], cs, r)
+        stats = a.recv_slab_stats
+        assert stats["usable"] == K and stats["registered_since_start"] == 1  # one, for the fence
+        assert fenced in a._recv.fenced and fenced not in a._recv.pool._free
+        assert_same_bytes(cs[0][0][3], torch.zeros(256))
+        b.transport.release_held()                      # the stale write lands, late
+        await until(lambda: a.recv_slab_stats["fenced_now"] == 0, "its late reply released it")
+        slab = a._recv.slabs[fenced]
+        assert_same_bytes(slab.tensor[: 1 * KiB].view(torch.float32), cs[1][0][3])
+        stats = a.recv_slab_stats
+        assert stats["spares"] == 1 and stats["usable"] == K and stats["released_late"] == 1
+        assert_same_bytes(cs[0][0][3], torch.zeros(256))    # never unpacked
+        # another fence: the spare takes its place, no registration
+        await a.connect(b.address)
+        b.transport.hold_next_writes(1)
+        with pytest.raises(PeerLostError):
+            await a.load(req(1, [4], 4))
+        stats = a.recv_slab_stats
+        assert stats["usable"] == K and stats["spares"] == 0 and stats["registered_since_start"] == 1
+        r = req(2, LARGE, 40)
+        await a.load(r)
+        check(cs[0], cs, r)
+        b.transport.release_held()
+
+
+# -- over real NIXL, three processes -----------------------------------------------------------
+
+nixl = pytest.importorskip("nixl")
+
+from xavier_async import Endpoint  # noqa: E402
+from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec,  # noqa: E402
+                                               check_loaded, pattern_caches, zero_slots)
+from xavier_async.transports.nixl import NixlTransport  # noqa: E402
+
+import os  # noqa: E402
+
+#: XAVIER_TEST_DEVICE=cuda: the loader on GPU 0, both sources on GPU 1 (as in test_nixl_process)
+DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
+HERE, THERE = ("cuda:0", "cuda:1") if DEVICE == "cuda" else ("cpu", "cpu")
+SPEC = LayoutSpec(layers=2, num_slots=64, block_shape=(4, 64), dtype="bfloat16")  # 512 B blocks
+NCFG = dict(full_bytes=16 * KiB, small_bytes=1 * KiB)
+SEED = 13
+
+
+@pytest.mark.asyncio
+async def test_nixl_many_loads_in_flight_from_two_processes():
+    """16 concurrent loads (small and large) at a time from two source processes, whose
+    writes are slowed so that copies overlap; every block checked; S + K registrations
+    on every endpoint and none after the warm-up."""
+    expected = {r: pattern_caches(SPEC, r, SEED) for r in (1, 2)}
+    local = {layer: t.zero_() for layer, t in pattern_caches(SPEC, 0, SEED, HERE).items()}
+    slow = {"write_stall_rate": 1.0, "stall_seconds": 0.02}
+    procs = [PeerProcess(PeerSpec(rank=r, layout=SPEC, seed=SEED, config=NCFG, torch_threads=1,
+                                  faults=slow, device=THERE)) for r in (1, 2)]
+    try:
+        async with Endpoint(0, local, NixlTransport(), EndpointConfig(**NCFG)) as ep:
+            for p in procs:
+                await ep.connect(p.address)
+            assert ep.transport.memory_registrations == S + K
+            rng = random.Random(3)
+            peak = 0
+
+            async def one(i: int) -> None:
+                src = 1 + i % 2
+                n = rng.choice([1, 2, 4])           # 512 B, 1 KiB: small; 4 KiB: large
+                keys = rng.sample(range(SPEC.num_slots), n)
+                layers = range(SPEC.layers) if n == 4 else [0]
+                request = {src: {layer: {k: 4 * i + j for j, k in enumerate(keys)} for layer in layers}}
+                zero_slots(ep.caches, request)
+                await ep.load(request)
+                assert check_loaded(ep.caches, request, expected) > 0
+
+            async def watch() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, ep.recv_slab_stats["in_use"])
+                    await anyio.sleep(0.001)
+
+            async with anyio.create_task_group() as outer:
+                outer.start_soon(watch)
+                for _ in range(4):
+                    async with anyio.create_task_group() as tg:
+                        for i in range(16):
+                            tg.start_soon(one, i)
+                outer.cancel_scope.cancel()
+            assert peak >= 2, peak                  # loads really were in flight together
+            assert ep.transport.memory_registrations == S + K
+            for p in procs:
+                m = await anyio.to_thread.run_sync(p.call, "metrics", None)
+                assert m["memory_registrations"] == S + K
+                assert m["total"]["batches_sent"] == 32
+    finally:
+        for p in procs:
+            p.close()
