@@ -147,21 +147,16 @@ def test_serving_byte_check_names_a_wrong_block():
         check_phase(caches, reqs, expected)
 
 
-def test_slab_counts_reach_the_config_only_where_the_engine_has_them():
-    """K goes to EndpointConfig as receive_slabs/send_slabs when those fields exist (an
-    engine with slab pools), and is dropped otherwise (K=1 is then the only design)."""
-    from dataclasses import fields
-
+def test_slab_counts_reach_the_config():
+    """K goes to EndpointConfig as receive_slabs/send_slabs; None keeps the defaults."""
     from xavier_async import EndpointConfig
     from xavier_async.bench.serving import config_for, config_kwargs, slab_counts
-    have = {f.name for f in fields(EndpointConfig)}
-    kw = config_kwargs(3, full_bytes=FULL)
-    assert kw["full_bytes"] == FULL
-    assert {n for n in ("receive_slabs", "send_slabs") if n in kw} == have & {"receive_slabs", "send_slabs"}
+    assert config_kwargs(3, full_bytes=FULL) == {"full_bytes": FULL, "receive_slabs": 3, "send_slabs": 3}
     assert config_kwargs(None, full_bytes=FULL) == {"full_bytes": FULL}
-    counts = slab_counts(config_for(3, full_bytes=FULL))
-    assert counts["receive_slabs"] == (3 if "receive_slabs" in have else 1)
-    assert counts["send_slabs"] == (3 if "send_slabs" in have else 1)
+    assert slab_counts(config_for(3, full_bytes=FULL)) == {"receive_slabs": 3, "send_slabs": 3}
+    default = EndpointConfig()
+    assert slab_counts(config_for(None)) == {"receive_slabs": default.receive_slabs,
+                                             "send_slabs": default.send_slabs}
 
 
 def test_serving_flags(capsys):

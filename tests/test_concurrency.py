@@ -416,6 +416,31 @@ async def test_registrations_are_s_plus_k_at_start_and_none_after_warm_up():
 
 
 @anyio_test
+async def test_eager_mapping_maps_every_pair_when_a_peer_joins_and_nothing_after():
+    """map_eagerly: each source maps 2 x S x K (send slab, view, receive slab) pairs for
+    the loader as it joins; concurrent loads then register nothing at all."""
+    cs = caches(3)
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, map_eagerly=True)
+    async with cluster(cs, cfg) as (a, b, c):
+        publish(b, c)
+        for ep in (a, b, c):   # every pair is connected: each maps for both its peers
+            for p in ep.peers:
+                await until(lambda ep=ep, p=p: ep.metrics.peer(p).registrations == 2 * S * K,
+                            f"rank {ep.rank} mapped everything for rank {p}")
+        before = [ep.snapshot_metrics()["registrations"] for ep in (a, b, c)]
+        rng = random.Random(2)
+        for _ in range(3):
+            requests = [req(1 + i % 2, rng.sample(range(SLOTS), rng.choice([1, 6])), slot0=6 * i)
+                        for i in range(16)]
+            async with anyio.create_task_group() as tg:
+                for r in requests:
+                    tg.start_soon(a.load, r)
+            for r in requests:
+                check(cs[0], cs, r)
+        assert [ep.snapshot_metrics()["registrations"] for ep in (a, b, c)] == before
+
+
+@anyio_test
 async def test_verify_checks_each_concurrent_batch_in_its_own_slab():
     cs = caches(2)
     before = snapshot(cs[0])

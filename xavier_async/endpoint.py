@@ -89,6 +89,12 @@ class EndpointConfig:
     small batches, which never wait behind a whole large copy. With a pool of one slab
     there is no reservation (K = S = 1 is the one-batch-at-a-time design). When every
     slab is busy, a load waits (back-pressure, never an error).
+
+    ``map_eagerly``: when a peer joins, map every (send slab, view, peer's receive slab)
+    pair for it in the background (2 x S x K mappings per peer, made at once), so that no
+    copy ever waits for a mapping and registrations are flat from the first load on. Off
+    (the default), mappings are made on first use, at most 2 x S x K per peer, and only
+    those that traffic needs (one-at-a-time traffic needs two).
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -102,6 +108,7 @@ class EndpointConfig:
     verify: bool = False
     receive_slabs: int = 4
     send_slabs: int = 4
+    map_eagerly: bool = False
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +124,7 @@ class EndpointConfig:
         check_bool("trimmed", self.trimmed)
         check_bool("stream_ordered_unpack", self.stream_ordered_unpack)
         check_bool("verify", self.verify)
+        check_bool("map_eagerly", self.map_eagerly)
         check_size("trim_align", self.trim_align)
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         if not isinstance(self.retry, RetryPolicy):
@@ -472,6 +480,21 @@ class Endpoint:
             peer, self.transport, self._send_slabs, ChannelPolicy.of(cfg.sizes, cfg.streak),
             cfg.retry, self.metrics.peer(peer), trimmed=cfg.trimmed, trim_align=cfg.trim_align)
         self._peer_hello[peer] = hello
+        if cfg.map_eagerly and self._tg is not None and self._state == "open":
+            self._tg.start_soon(self._map_all, peer, self._channels[peer])
+
+    async def _map_all(self, peer: int, ch: PeerChannel) -> None:
+        """``map_eagerly``: map every (send slab, view, receive slab) pair for ``peer``."""
+        try:
+            slabs = self.transport.peer_recv_slabs(peer)
+            for send, slab in enumerate(self._send_slabs):
+                for view in dict.fromkeys(v.name for v in slab.views):
+                    for recv in slabs:
+                        if self._channels.get(peer) is not ch:
+                            return  # lost or restarted meanwhile
+                        await ch.mapping(view, recv, send)
+        except XavierError as exc:  # mapping on first use will try again
+            log.debug("rank %d: eager mapping for rank %d stopped: %s", self.rank, peer, exc)
 
     def _peer_lost(self, peer: int, exc: BaseException, *, disconnect: bool = True) -> None:
         """Fail what waits on ``peer`` and reset its channel; with ``disconnect``, drop the

@@ -7,9 +7,8 @@ loads near the full slab among many warm small ones) as real :meth:`Endpoint.loa
 with :data:`CONCURRENCY` requests in flight, each load from one of the two sources.
 
 It runs twice, side by side: with one receive slab and one send slab per endpoint (K=1,
-the seed's design) and with the endpoint's default K. The slab counts reach
-:class:`EndpointConfig` only through :func:`config_kwargs`, which passes them only when
-the config has those fields (an engine without slab pools runs K=1 in both columns).
+the seed's design) and with the endpoint's default K (``EndpointConfig.receive_slabs``
+and ``send_slabs``).
 
 Per run, phases (each with its own destination slots, all checked byte for byte after
 the phase, outside the timings):
@@ -31,7 +30,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -47,7 +46,7 @@ from .suite import BenchOptions, bench_layout, make_trace, stats, target
 #: loads in flight, as in the seed's deployment
 CONCURRENCY = 16
 SOURCES = (1, 2)
-#: the slab-count fields of an engine with slab pools (issue 11)
+#: the EndpointConfig fields of the slab counts
 SLAB_FIELDS = ("receive_slabs", "send_slabs")
 
 Request = dict[int, dict[int, dict[int, int]]]
@@ -55,12 +54,11 @@ Request = dict[int, dict[int, dict[int, int]]]
 
 # -- configuration ----------------------------------------------------------------------------
 def config_kwargs(k: int | None, **base: Any) -> dict[str, Any]:
-    """EndpointConfig keyword arguments: ``base`` plus ``receive_slabs=k, send_slabs=k``
-    for each of those fields the engine's config has; ``k=None`` keeps its defaults."""
+    """EndpointConfig keyword arguments: ``base`` plus ``receive_slabs=k, send_slabs=k``;
+    ``k=None`` keeps the engine's defaults."""
     out = dict(base)
     if k is not None:
-        have = {f.name for f in fields(EndpointConfig)}
-        out.update({name: k for name in SLAB_FIELDS if name in have})
+        out.update({name: k for name in SLAB_FIELDS})
     return out
 
 
@@ -70,8 +68,8 @@ def config_for(k: int | None, **base: Any) -> EndpointConfig:
 
 
 def slab_counts(cfg: EndpointConfig) -> dict[str, int]:
-    """Receive and send slabs per endpoint (1 each for an engine without pools)."""
-    return {name: int(getattr(cfg, name, 1)) for name in SLAB_FIELDS}
+    """Receive and send slabs per endpoint."""
+    return {"receive_slabs": cfg.receive_slabs, "send_slabs": cfg.send_slabs}
 
 
 # -- loads --------------------------------------------------------------------------------------
@@ -222,7 +220,9 @@ class Phases:
 async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], src_layout: LayoutSpec,
                 device: str) -> dict[str, Any]:
     """All phases with ``k`` slabs per endpoint (None: the engine's default)."""
-    base: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes)
+    # every (send slab, view, receive slab) is mapped as peers join, as a serving engine
+    # would configure it: registrations are then flat whatever pairs the traffic uses
+    base: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, map_eagerly=True)
     cfg = config_for(k, **base)
     cuda = device == "cuda"
     specs = [PeerSpec(rank=r, layout=src_layout, seed=o.seed, device="cuda:1" if cuda else "cpu",
@@ -304,7 +304,6 @@ async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: Non
         runs[name] = await run_k(o, k, phases, src_layout, device)
     out: dict[str, Any] = {
         "concurrency": CONCURRENCY, "device": device,
-        "slab_pools": all(n in {f.name for f in fields(EndpointConfig)} for n in SLAB_FIELDS),
         "default_slabs": default_k,
         "trace": {"loads": len(mixed), "large": sum(x.large for x in mixed),
                   "useful_bytes": _useful(mixed, src_layout), "block_bytes": src_layout.block_nbytes,
@@ -366,8 +365,7 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
     t = s["trace"]
     title = (f"Serving load: {t['loads']} loads ({t['large']} large, {t['useful_bytes'] / 1e6:.1f} MB) from "
              f"2 sources, {s['concurrency']} in flight, {s['device']}; K=1 vs default K "
-             f"(receive/send slabs {d['receive_slabs']}/{d['send_slabs']}"
-             f"{'' if s['slab_pools'] else ': this engine has no slab pools'})")
+             f"(receive/send slabs {d['receive_slabs']}/{d['send_slabs']})")
     target_rows = [[k, f"{v['value']:.3g}", f"{'<=' if k not in _AT_LEAST else '>='} {v['limit']:.3g}",
                     "met" if v["met"] else "MISSED"] for k, v in s["targets"].items()]
     return [(title, rows, ["", "K=1", f"K={d['receive_slabs']}", "K / K=1"]),

@@ -174,6 +174,9 @@ class FaultyTransport(Transport):
         self._check(peer)
         await self.inner.share_recv_slab(peer, slab)
 
+    def peer_recv_slabs(self, peer: int) -> tuple[int, ...]:
+        return self.inner.peer_recv_slabs(peer)
+
     def unsettled(self) -> set[int]:
         return self.inner.unsettled() | {w.peer for w in self._stalled}
 

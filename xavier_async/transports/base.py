@@ -114,6 +114,10 @@ class Transport(abc.ABC):
         no-op when it already can). Raises :class:`PeerLostError` if it cannot be told."""
         await anyio.lowlevel.checkpoint()
 
+    def peer_recv_slabs(self, peer: int) -> tuple[int, ...]:
+        """The receive slabs of ``peer`` that we may write (their indices)."""
+        return (0,)
+
     def unsettled(self) -> set[int]:
         """Ranks to which a write of ours may still land: posted and not terminal, or
         given up on (timed out) without a terminal state."""

@@ -144,6 +144,9 @@ class LocalTransport(Transport):
         self._mappings.setdefault(peer, set()).add((view.slab.index, view.name, slab))
         return LocalMapping(view, slab)
 
+    def peer_recv_slabs(self, peer: int) -> tuple[int, ...]:
+        return tuple(sorted(self._peer(peer).recv_slabs))
+
     def target(self, peer: int, mapping: object) -> tuple[LocalTransport, torch.Tensor]:
         """The peer and the receive slab tensor a mapping writes into (fault injection
         uses it to land a write after the connection is gone)."""

@@ -456,6 +456,9 @@ class NixlTransport(Transport):
         except Exception:
             log.warning("bad transport message from agent %s", agent, exc_info=True)
 
+    def peer_recv_slabs(self, peer: int) -> tuple[int, ...]:
+        return tuple(sorted(self._peer(peer).recv_ptrs))
+
     def unsettled(self) -> set[int]:
         return set(self._in_flight.values()) | {rank for rank, _ in self._stuck.values()}
 
