@@ -105,8 +105,8 @@ def test_memory_over_loads_and_the_descriptor_path_are_reported(report):
     d = report["descriptors"]
     assert d["registrations_after_warmup"] == 0 and d["cache_registrations"] == 1
     for row in d["shapes"]:
-        assert all(row[p]["bytes_verified"] for p in ("packed", "prepped", "runs")), row["shape"]
-    assert d["rule"]["text"]
+        assert all(row[p]["bytes_verified"] for p in ("packed", "prepped", "runs", "direct")), row["shape"]
+    assert d["rule"]["text"] and d["rule_to_slots"]["text"]
 
 
 def test_options_are_validated():

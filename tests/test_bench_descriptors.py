@@ -36,10 +36,12 @@ def test_shapes_have_the_runs_they_claim():
     assert len(got["64 hashes consecutive"].slots) * 24 * layout.block_nbytes == 12 << 20
 
 
-def _row(name: str, slots: int, run: int, packed: float, prepped: float, runs: float) -> dict[str, Any]:
+def _row(name: str, slots: int, run: int, packed: float, prepped: float, runs: float,
+         unpack: float = 0.0, direct: float = 1e9) -> dict[str, Any]:
     return {"shape": name, "slots": list(range(slots)), "run": run, "layers": 24,
             "packed": {"median_us": packed}, "prepped": {"median_us": prepped},
-            "runs": {"median_us": runs}}
+            "runs": {"median_us": runs}, "unpack": {"median_us": unpack},
+            "direct": {"median_us": direct}}
 
 
 def test_the_rule_comes_from_the_figures():
@@ -59,6 +61,20 @@ def test_the_rule_comes_from_the_figures():
     assert rule["single_hash"] == {"one": "descriptor (prepped)"}
 
 
+def test_the_rule_into_the_slots_counts_the_receivers_unpack():
+    """Direct into the peer's slots vs packed + unpack: a direct transfer slower than the
+    packed WRITE alone still wins when the unpack it saves costs more than the gap."""
+    rows = [_row("one", 1, 1, 30, 50, 70, unpack=10, direct=45),
+            _row("s", 64, 1, 400, 900, 800, unpack=300, direct=800),
+            _row("c", 64, 64, 300, 150, 160, unpack=200, direct=450)]
+    slab, slots = derive_rule(rows), derive_rule(rows, to_slots=True)
+    assert slab["min_run"] == 64 and slab["single_hash"] == {"one": "packed"}
+    assert slots["min_run"] == 64 and slots["to_slots"]
+    assert slots["single_hash"] == {"one": "packed"}  # 45 > 30 + 10
+    rows[0] = _row("one", 1, 1, 30, 50, 70, unpack=20, direct=45)
+    assert derive_rule(rows, to_slots=True)["single_hash"] == {"one": "descriptor (direct)"}
+
+
 def test_descriptor_section_over_nixl_checks_bytes_and_counts_registrations():
     pytest.importorskip("nixl")
     d = run_descriptors(FULL, "cpu", quick=True)
@@ -68,19 +84,22 @@ def test_descriptor_section_over_nixl_checks_bytes_and_counts_registrations():
     assert d["cache_registrations"] == 1 and d["cache_regions_registered"] == layout.layers
     assert d["registrations_at_start"] == 2 and d["registrations_after_warmup"] == 0
     assert d["prepped_descriptors"] == {"local": layout.layers * layout.num_slots,
-                                        "remote": FULL // layout.block_nbytes}
+                                        "remote_slab": FULL // layout.block_nbytes,
+                                        "remote_caches": layout.layers * layout.num_slots}
     names = [r["shape"] for r in d["shapes"]]
     assert names[:2] == ["one hash x all layers", "one layer block"] and len(names) >= 4
     for r in d["shapes"]:
         assert r["registrations_after_warmup"] == 0
         assert r["bytes"] == r["blocks"] * layout.block_nbytes
-        for p in PATHS:
+        for p in PATHS:  # packed, prepped and runs into the slab, direct into the slots
             assert r[p]["bytes_verified"], (r["shape"], p)
             assert r[p]["median_us"] > 0
+        assert r["source_caches_intact"] and r["unpack"]["n"] > 0
         posted = r["nixl_posted_descriptors"]
         if posted is not None:  # NIXL merges adjacent descriptors: never fewer than the runs
             assert r["run_descriptors"] <= posted <= r["blocks"]
-    assert d["rule"]["text"] and set(d["rule"]["single_hash"]) == set(names[:2])
+    for rule in (d["rule"], d["rule_to_slots"]):
+        assert rule["text"] and set(rule["single_hash"]) == set(names[:2])
 
 
 def test_memory_over_loads_checks_bytes_and_sees_a_leak():

@@ -250,14 +250,15 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
     ]
     d = r.get("descriptors")
     if d is not None:
-        from .descriptors import print_descriptors
+        from .descriptors import HEADER, print_descriptors
         tables.append((f"Packed path vs descriptor path ({d['memory']}, raw NIXL, two processes; "
-                       f"median us per transfer to DONE; cache registrations {d['cache_registrations']} "
+                       f"median us per transfer to DONE; packed/prepped/runs land in the peer's "
+                       f"slab, direct in its cache slots, unpack is the engine's, measured at the "
+                       f"source; cache registrations {d['cache_registrations']} "
                        f"({d['cache_regions_registered']} regions) at start, "
-                       f"{d['registrations_after_warmup']} after warm-up). Rule: {d['rule']['text']}",
-                       print_descriptors(d),
-                       ["shape", "bytes", "runs", "NIXL posted", "packed", "prepped", "runs path",
-                        "best desc/packed", "bytes ok"]))
+                       f"{d['registrations_after_warmup']} after warm-up). Rule, into the slab: "
+                       f"{d['rule']['text']}. Rule, into the slots: {d['rule_to_slots']['text']}",
+                       print_descriptors(d), HEADER))
     small_floor = fl["small"]["median_us"]
     stage_table = _stage_rows(e2e, tl, small_floor)
     if stage_table is not None:

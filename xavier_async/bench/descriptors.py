@@ -33,13 +33,16 @@ import numpy as np
 import torch
 
 from ..layout import CacheLayout
-from ..packing import CacheTable, DeviceRuns, SlabRows, byte_rows, pack, pack_table
+from ..packing import CacheTable, DeviceRuns, SlabRows, byte_rows, pack, pack_table, unpack
 from ..planning import PlannedBatch, Planner
 from ..testing.peer_process import LayoutSpec, pattern_caches
 
-PATHS = ("packed", "prepped", "runs")
-#: ``make_prepped_xfer`` per batch from the block descriptors prepared once
-#: (``prepped``); ``initialize_xfer`` per batch with one descriptor per run (``runs``)
+PATHS = ("packed", "prepped", "runs", "direct")
+#: ``packed``: pack + one WRITE into the peer's slab; ``prepped``: ``make_prepped_xfer``
+#: per batch from the block descriptors prepared once, into the peer's slab; ``runs``:
+#: ``initialize_xfer`` per batch with one descriptor per run, into the peer's slab;
+#: ``direct``: prepped, into the peer's cache slots (no unpack needed at the receiver)
+SLAB_PATHS = PATHS[:3]
 
 
 @dataclass(frozen=True)
@@ -84,26 +87,32 @@ def stats_us(samples: Sequence[float]) -> dict[str, float]:
             "p95_us": s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))] * 1e6, "n": len(s)}
 
 
-def derive_rule(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def derive_rule(results: Sequence[dict[str, Any]], to_slots: bool = False) -> dict[str, Any]:
     """The choice the measurements support, from the rows of :func:`run_descriptors`
-    (each with ``blocks``, ``run``, ``layers`` and per path ``median_us``).
+    (each with ``slots``, ``run`` and per path ``median_us``).
 
-    Among the multi-hash shapes (same bytes, runs of different lengths), ``min_run`` is the
-    shortest run length from which the descriptor path (the faster of ``prepped`` and
-    ``runs``) is faster than ``packed`` for that and every longer run measured (None: never).
-    Single-hash shapes are judged one by one."""
+    Into the peer's slab (default): the descriptor path is the faster of ``prepped`` and
+    ``runs``, against ``packed``. Into the peer's slots (``to_slots``): ``direct`` against
+    ``packed`` plus the ``unpack`` the receiver then needs. Among the multi-hash shapes
+    (same bytes, runs of different lengths), ``min_run`` is the shortest run length from
+    which the descriptor path is faster for that and every longer run measured (None:
+    never). Single-hash shapes are judged one by one."""
+    kinds = ("direct",) if to_slots else ("prepped", "runs")
+
     def best_desc(r: dict[str, Any]) -> tuple[str, float]:
-        return min(((p, r[p]["median_us"]) for p in ("prepped", "runs") if p in r),
-                   key=lambda x: x[1])
+        return min(((p, r[p]["median_us"]) for p in kinds if p in r), key=lambda x: x[1])
+
+    def packed(r: dict[str, Any]) -> float:
+        cost = float(r["packed"]["median_us"])
+        return cost + float(r["unpack"]["median_us"]) if to_slots else cost
 
     multi = sorted((r for r in results if len(r["slots"]) > 1), key=lambda r: r["run"])
     min_run: int | None = None
     for i, r in enumerate(multi):
-        if all(best_desc(x)[1] < x["packed"]["median_us"] for x in multi[i:]):
+        if all(best_desc(x)[1] < packed(x) for x in multi[i:]):
             min_run = r["run"]
             break
-    singles = {r["shape"]: ("descriptor (" + best_desc(r)[0] + ")"
-                            if best_desc(r)[1] < r["packed"]["median_us"] else "packed")
+    singles = {r["shape"]: (f"descriptor ({best_desc(r)[0]})" if best_desc(r)[1] < packed(r) else "packed")
                for r in results if len(r["slots"]) == 1}
     if not multi:
         text = "no multi-hash shape measured"
@@ -115,13 +124,14 @@ def derive_rule(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         text = (f"descriptor path when runs per layer are >= {min_run} consecutive slots, "
                 f"packed otherwise")
     single_text = "; ".join(f"{k}: {v}" for k, v in singles.items())
-    return {"min_run": min_run, "single_hash": singles,
+    return {"min_run": min_run, "single_hash": singles, "to_slots": to_slots,
             "text": text + (f"; single hash: {single_text}" if single_text else "")}
 
 
 # -- the peer: one agent, one destination slab ------------------------------------------------
-def _peer_main(conn: Any, nbytes: int, device: str) -> None:
-    """Child process: register a zeroed slab of ``nbytes``; answer zero/digest requests."""
+def _peer_main(conn: Any, nbytes: int, device: str, layers: int, num_slots: int, bn: int) -> None:
+    """Child process: register a zeroed slab of ``nbytes`` and zeroed caches (``layers``
+    tensors of ``num_slots`` blocks of ``bn`` bytes); answer zero/digest requests."""
     import logging
     logging.getLogger("nixl").setLevel(logging.WARNING)
     from nixl._api import nixl_agent, nixl_agent_config
@@ -129,23 +139,38 @@ def _peer_main(conn: Any, nbytes: int, device: str) -> None:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     slab = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    caches = [torch.zeros((num_slots, bn), dtype=torch.uint8, device=dev) for _ in range(layers)]
     mem, dev_id = ("VRAM", dev.index or 0) if dev.type == "cuda" else ("DRAM", 0)
     # its progress thread drives the target side while this process waits on the pipe
     agent = nixl_agent("dpath-peer", nixl_agent_config(backends=["UCX"]))
     agent.register_memory(agent.get_reg_descs([(slab.data_ptr(), nbytes, dev_id, "")], mem))
-    conn.send((agent.get_agent_metadata(), slab.data_ptr(), dev_id, mem))
+    agent.register_memory(agent.get_reg_descs([(c.data_ptr(), c.numel(), dev_id, "") for c in caches],
+                                              mem))
+    conn.send((agent.get_agent_metadata(), slab.data_ptr(), [c.data_ptr() for c in caches], dev_id, mem))
+
+    def blocks(ls: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+        idx = torch.tensor(list(slots), dtype=torch.long, device=dev)
+        return torch.cat([caches[layer].index_select(0, idx).reshape(-1) for layer in ls])
+
     while True:
         msg = conn.recv()
         if msg[0] == "zero":
             slab[: msg[1]].zero_()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            conn.send(True)
         elif msg[0] == "digest":
             conn.send(_digest(slab[: msg[1]]))
+            continue
+        elif msg[0] == "zero_slots":
+            for layer in msg[1]:
+                caches[layer][torch.tensor(list(msg[2]), dtype=torch.long, device=dev)] = 0
+        elif msg[0] == "digest_slots":
+            conn.send(_digest(blocks(msg[1], msg[2])))
+            continue
         else:
             conn.send(True)
             return
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        conn.send(True)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -153,17 +178,19 @@ def _digest(t: torch.Tensor) -> str:
 
 
 class _Peer:
-    def __init__(self, nbytes: int, device: str) -> None:
+    def __init__(self, nbytes: int, device: str, layout: LayoutSpec) -> None:
         ctx = mp.get_context("spawn")
         self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_main, args=(theirs, nbytes, device), daemon=True)
+        self.proc = ctx.Process(target=_peer_main, daemon=True,
+                                args=(theirs, nbytes, device, layout.layers, layout.num_slots,
+                                      layout.block_nbytes))
         self.proc.start()
         deadline = time.monotonic() + 120
         while not self.conn.poll(0.2):
             if not self.proc.is_alive() or time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError("the descriptor-path peer process did not start")
-        self.meta, self.ptr, self.dev, self.mem = self.conn.recv()
+        self.meta, self.ptr, self.cache_ptrs, self.dev, self.mem = self.conn.recv()
 
     def call(self, *msg: Any) -> Any:
         self.conn.send(msg)
@@ -227,7 +254,11 @@ class Source:
         remote = np.array([(peer.ptr + j * self.bn, self.bn, peer.dev) for j in range(nrem)],
                           dtype=np.uint64)
         self.remote_dlist = self.agent.prep_xfer_dlist(self.peer_name, remote, peer.mem)
-        self.prepped_descriptors = (len(local), nrem)
+        # every (layer, slot) block of the peer's caches, indexed as ours
+        rcaches = np.array([(peer.cache_ptrs[layer] + s * self.bn, self.bn, peer.dev)
+                            for layer in range(layout.layers) for s in range(S)], dtype=np.uint64)
+        self.remote_caches = self.agent.prep_xfer_dlist(self.peer_name, rcaches, peer.mem)
+        self.prepped_descriptors = (len(local), nrem, len(rcaches))
         self._handles: dict[int, Any] = {}
 
     def _register(self, regions: list[tuple[int, int, int, str]]) -> None:
@@ -239,7 +270,7 @@ class Source:
         for h in self._handles.values():
             self.agent.release_xfer_handle(h)
         self._handles.clear()
-        for d in (self.local_dlist, self.remote_dlist):
+        for d in (self.local_dlist, self.remote_dlist, self.remote_caches):
             self.agent.release_dlist_handle(d)
         self.agent.remove_remote_agent(self.peer_name)
 
@@ -282,12 +313,18 @@ class Source:
             event.synchronize()
         self._wait(self._packed_handle(batch.nbytes))
 
-    def prepped(self, layers: np.ndarray, slots: np.ndarray, telemetry: bool = False) -> int | None:
-        """One batch through the prepared lists; with ``telemetry``, returns how many
-        descriptors NIXL posted (after merging adjacent ones), or None if it cannot say."""
-        local = (layers[:, None] * self.layout.num_slots + slots[None, :]).astype(np.int32).ravel()
-        remote = np.arange(local.size, dtype=np.int32)
-        h = self.agent.make_prepped_xfer("WRITE", self.local_dlist, local, self.remote_dlist, remote)
+    def prepped(self, layers: np.ndarray, slots: np.ndarray, telemetry: bool = False,
+                dest: np.ndarray | None = None) -> int | None:
+        """One batch through the prepared lists: into the peer's slab (layer-major), or
+        with ``dest`` into those slots of the peer's caches. With ``telemetry``, returns how
+        many descriptors NIXL posted (after merging adjacent ones), or None if it cannot say."""
+        S = self.layout.num_slots
+        local = (layers[:, None] * S + slots[None, :]).astype(np.int32).ravel()
+        if dest is None:
+            remote, side = np.arange(local.size, dtype=np.int32), self.remote_dlist
+        else:
+            remote, side = (layers[:, None] * S + dest[None, :]).astype(np.int32).ravel(), self.remote_caches
+        h = self.agent.make_prepped_xfer("WRITE", self.local_dlist, local, side, remote)
         try:
             self._wait(h)
             if telemetry:
@@ -298,6 +335,12 @@ class Source:
             return None
         finally:
             self.agent.release_xfer_handle(h)
+
+    def unpack(self, batch: PlannedBatch) -> None:
+        """The receiver's share of the packed path, estimated here: the engine's
+        ``unpack`` of the batch from the slab into its slots (the same slots the slab's
+        blocks came from, so the caches keep their bytes)."""
+        unpack(self.slab_rows, batch, self.table, self.device_runs, wait=True)
 
     def runs(self, batch: PlannedBatch, slot_lists: Sequence[Sequence[int]]) -> int:
         dst, src, ns = pack_table(self.slab.data_ptr(), batch.segments, slot_lists, self.table)
@@ -317,8 +360,9 @@ class Source:
 
 
 def measure_shape(src: Source, shape: Shape, iters: int, warmup: int) -> dict[str, Any]:
-    """Median per transfer of each path (interleaved in rounds), with the peer's bytes
-    checked after each path and the registrations made while measuring."""
+    """Median per transfer of each path and of the engine's unpack (interleaved in
+    rounds), with the peer's bytes checked after each path's warm-up and again after its
+    timed runs, and the registrations made while measuring."""
     batch = src.plan(shape)
     slot_lists = [[int(k) for k in seg.keys] for seg in batch.segments]  # key = source slot
     # the descriptor indices assume the slab is layer-major, consecutive blocks: check it once
@@ -331,43 +375,64 @@ def measure_shape(src: Source, shape: Shape, iters: int, warmup: int) -> dict[st
         "packed": lambda: src.packed(batch, slot_lists),
         "prepped": lambda: src.prepped(layers, slots),
         "runs": lambda: src.runs(batch, slot_lists),
+        "direct": lambda: src.prepped(layers, slots, dest=slots),  # into the same slots there
+        "unpack": lambda: src.unpack(batch),
     }
     want = src.expected(shape)
     nbytes = batch.nbytes
-    times: dict[str, list[float]] = {p: [] for p in PATHS}
+    times: dict[str, list[float]] = {p: [] for p in calls}
     checked: dict[str, bool] = {}
     regs0 = src.registrations
     rounds = 4
     per = max(1, iters // rounds)
     perf = time.perf_counter
-    for p in PATHS:  # warm-up, and each path's bytes checked from a zeroed slab
-        src.peer.call("zero", nbytes)
+    peer = src.peer
+
+    def zero(p: str) -> None:
+        if p == "direct":
+            peer.call("zero_slots", list(shape.layers), list(shape.slots))
+        else:
+            peer.call("zero", nbytes)
+
+    def landed(p: str) -> bool:
+        got = (peer.call("digest_slots", list(shape.layers), list(shape.slots)) if p == "direct"
+               else peer.call("digest", nbytes))
+        return bool(got == want)
+
+    for p in PATHS:  # warm-up, and each path's bytes checked from a zeroed destination
+        zero(p)
         for _ in range(warmup):
             calls[p]()
-        checked[p] = src.peer.call("digest", nbytes) == want
+        checked[p] = landed(p)
+    for _ in range(warmup):
+        calls["unpack"]()
     for _ in range(rounds):
-        for p in PATHS:
-            f = calls[p]
+        for p, f in calls.items():
             for _ in range(per):
                 t = perf()
                 f()
                 times[p].append(perf() - t)
-    for p in PATHS:  # after the timed runs too, from a zeroed slab
-        src.peer.call("zero", nbytes)
+    for p in PATHS:  # after the timed runs too
+        zero(p)
         calls[p]()
-        checked[p] = checked[p] and src.peer.call("digest", nbytes) == want
+        checked[p] = checked[p] and landed(p)
     row: dict[str, Any] = {"shape": shape.name, "slots": list(shape.slots), "layers": len(shape.layers),
                            "run": shape.run, "blocks": shape.blocks, "bytes": nbytes,
                            "run_descriptors": src.runs(batch, slot_lists),
                            "block_descriptors": shape.blocks,
                            "nixl_posted_descriptors": src.prepped(layers, slots, telemetry=True),
-                           "registrations_after_warmup": src.registrations - regs0}
+                           "registrations_after_warmup": src.registrations - regs0,
+                           # the source's caches must be unchanged by the unpack estimate
+                           "source_caches_intact": src.expected(shape) == want}
     for p in PATHS:
         row[p] = {**stats_us(times[p]), "bytes_verified": checked[p]}
+    row["unpack"] = stats_us(times["unpack"])
     best = min(("prepped", "runs"), key=lambda p: row[p]["median_us"])
     row["best_descriptor_path"] = best
     row["ratio_descriptor_to_packed"] = row[best]["median_us"] / row["packed"]["median_us"]
     row["ratio_prepped_to_packed"] = row["prepped"]["median_us"] / row["packed"]["median_us"]
+    row["packed_plus_unpack_us"] = row["packed"]["median_us"] + row["unpack"]["median_us"]
+    row["ratio_direct_to_packed_plus_unpack"] = row["direct"]["median_us"] / row["packed_plus_unpack_us"]
     return row
 
 
@@ -386,7 +451,7 @@ def run_descriptors(full_bytes: int = 12 << 20, device: str = "auto", iters: int
         here = "cuda:0"
         there = "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"
     layout = bench_layout(full_bytes)
-    peer = _Peer(full_bytes, there)
+    peer = _Peer(full_bytes, there, layout)
     try:
         src = Source(layout, full_bytes, here, peer, seed)
         try:
@@ -403,8 +468,10 @@ def run_descriptors(full_bytes: int = 12 << 20, device: str = "auto", iters: int
                 "registrations_at_start": src.registrations,
                 "registrations_after_warmup": sum(r["registrations_after_warmup"] for r in rows),
                 "prepped_descriptors": {"local": src.prepped_descriptors[0],
-                                        "remote": src.prepped_descriptors[1]},
-                "shapes": rows, "rule": derive_rule(rows)}
+                                        "remote_slab": src.prepped_descriptors[1],
+                                        "remote_caches": src.prepped_descriptors[2]},
+                "shapes": rows, "rule": derive_rule(rows),
+                "rule_to_slots": derive_rule(rows, to_slots=True)}
         finally:
             src.close()
     finally:
@@ -414,19 +481,25 @@ def run_descriptors(full_bytes: int = 12 << 20, device: str = "auto", iters: int
 
 def print_descriptors(d: dict[str, Any]) -> list[list[str]]:
     """The section's table rows: shape, bytes, runs of consecutive slots, descriptors NIXL
-    posted for the prepped transfer (after merging), the three medians, the best descriptor
-    variant over packed, bytes ok."""
+    posted for the prepped transfer (after merging), the medians into the peer's slab and
+    the best descriptor variant over packed, then into the peer's slots: direct against
+    packed plus the unpack, and whether every path's bytes were right."""
     out = []
     for r in d["shapes"]:
-        ok = all(r[p]["bytes_verified"] for p in PATHS)
+        ok = all(r[p]["bytes_verified"] for p in PATHS) and r.get("source_caches_intact", True)
         posted = r.get("nixl_posted_descriptors")
         out.append([r["shape"], f"{r['bytes'] // 1024} KiB", str(r["run_descriptors"]),
                     "-" if posted is None else f"{posted} of {r['block_descriptors']}",
                     f"{r['packed']['median_us']:.1f}", f"{r['prepped']['median_us']:.1f}",
                     f"{r['runs']['median_us']:.1f}", f"{r['ratio_descriptor_to_packed']:.2f}x",
-                    "yes" if ok else "NO"])
+                    f"{r['unpack']['median_us']:.1f}", f"{r['direct']['median_us']:.1f}",
+                    f"{r['ratio_direct_to_packed_plus_unpack']:.2f}x", "yes" if ok else "NO"])
     return out
 
 
+HEADER = ["shape", "bytes", "runs", "NIXL posted", "packed", "prepped", "runs path",
+          "best desc/packed", "unpack", "direct", "direct/(packed+unpack)", "bytes ok"]
+
+
 __all__ = ["Shape", "shapes", "derive_rule", "run_descriptors", "measure_shape", "print_descriptors",
-           "PATHS"]
+           "PATHS", "SLAB_PATHS", "HEADER"]
