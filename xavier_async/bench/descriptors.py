@@ -5,17 +5,19 @@ pass of :func:`~xavier_async.packing.pack` over a run table, as the endpoint doe
 ONE contiguous WRITE of it. The other path registers the caches with NIXL once and, per
 batch, posts a prepared descriptor list straight from them (``prep_xfer_dlist`` made once
 for every ``(layer, slot)`` block, ``make_prepped_xfer`` with numpy index arrays per batch,
-as vLLM does). This section measures both, plus a third variant that posts one descriptor
-per contiguous run (``initialize_xfer`` from the run table), for each batch shape, and
-derives from the figures which path to use when.
+as vLLM does). This section measures, for each batch shape (see :data:`PATHS`): packed;
+prepped into the peer's slab; one descriptor per contiguous run (``initialize_xfer`` from
+the run table) into the peer's slab; prepped straight into the peer's cache slots; and
+the engine's unpack (measured here, the receiver's share of the packed path). From the
+figures it derives which path to use when, into the slab and into the slots.
 
 This process is the source (caches, send slab, one NIXL agent); a child process owns the
-destination slab (its own agent). Every transfer lands in the same place on the peer:
-the batch's blocks layer-major, exactly where the packed slab puts them, so one check
-covers all paths: the peer's slab, zeroed before each path, equals the blocks read
-straight from the caches (``torch.cat``, independent of the packing code) after it.
-Device-generic: on CUDA the caches are on ``cuda:0`` and the peer's slab on ``cuda:1``
-(VRAM, CUDA IPC through UCX); on the CPU both are DRAM.
+destination slab and caches (its own agent). The slab paths land the batch layer-major,
+exactly where the packed slab puts it, so one check covers them: the peer's slab, zeroed
+before each path, equals the blocks read straight from the caches (``torch.cat``,
+independent of the packing code) after it; the direct path is checked the same way on
+the peer's zeroed slots. Device-generic: on CUDA the caches are on ``cuda:0`` and the
+peer's memory on ``cuda:1`` (VRAM, CUDA IPC through UCX); on the CPU both are DRAM.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ PATHS = ("packed", "prepped", "runs", "direct")
 #: per batch from the block descriptors prepared once, into the peer's slab; ``runs``:
 #: ``initialize_xfer`` per batch with one descriptor per run, into the peer's slab;
 #: ``direct``: prepped, into the peer's cache slots (no unpack needed at the receiver)
-SLAB_PATHS = PATHS[:3]
 
 
 @dataclass(frozen=True)
@@ -383,7 +384,7 @@ def measure_shape(src: Source, shape: Shape, iters: int, warmup: int) -> dict[st
     times: dict[str, list[float]] = {p: [] for p in calls}
     checked: dict[str, bool] = {}
     regs0 = src.registrations
-    rounds = 4
+    rounds = 8  # interleaved, so that drift and a neighbour's burst hit every path alike
     per = max(1, iters // rounds)
     perf = time.perf_counter
     peer = src.peer
@@ -459,7 +460,7 @@ def run_descriptors(full_bytes: int = 12 << 20, device: str = "auto", iters: int
             for shape in shapes(layout, full_bytes, seed):
                 report(f"descriptors: {shape.name}")
                 big = shape.blocks * layout.block_nbytes >= (1 << 20)
-                rows.append(measure_shape(src, shape, max(8, iters // 4) if big else iters, warmup))
+                rows.append(measure_shape(src, shape, max(8, iters // 2) if big else iters, warmup))
             out: dict[str, Any] = {
                 "device": device, "memory": src.mem, "block_bytes": layout.block_nbytes,
                 "layers": layout.layers, "num_slots": layout.num_slots,
@@ -502,4 +503,4 @@ HEADER = ["shape", "bytes", "runs", "NIXL posted", "packed", "prepped", "runs pa
 
 
 __all__ = ["Shape", "shapes", "derive_rule", "run_descriptors", "measure_shape", "print_descriptors",
-           "PATHS", "SLAB_PATHS", "HEADER"]
+           "PATHS", "HEADER"]
