@@ -45,7 +45,8 @@ def test_the_command_line_keeps_nixl_quiet_unless_verbose(monkeypatch):
 
 def test_json_has_every_section_and_environment(report):
     for key in ("options", "environment", "floor", "seed_cases", "e2e_loads", "trace", "decision",
-                "memory", "floor_after", "metrics", "peer_metrics", "targets", "serving"):
+                "memory", "memory_loads", "descriptors", "floor_after", "metrics", "peer_metrics",
+                "targets", "serving"):
         assert key in report, key
     env = report["environment"]
     assert env["transport"] == "nixl" and env["memory"] == "DRAM" and env["device"] == "cpu"
@@ -171,11 +172,28 @@ def test_serving_flags(capsys):
     assert "over NIXL" in capsys.readouterr().err
 
 
+def test_memory_over_loads_and_the_descriptor_path_are_reported(report):
+    """Memory over real loads (bytes of the last loads checked) is in the targets; the
+    descriptor section checked every path's bytes and registered nothing after warm-up."""
+    ml = report["memory_loads"]
+    assert ml["loads"] == 500 and ml["bytes_verified"]  # --quick caps 10,000 loads at 500
+    assert ml["device_growth_bytes"] == 0               # DRAM: no device memory at all
+    for key in ("load_memory_python_bytes", "load_memory_device_bytes", "load_memory_rss_bytes"):
+        assert report["targets"][key]["limit"] == 0
+    d = report["descriptors"]
+    assert d["registrations_after_warmup"] == 0 and d["cache_registrations"] == 1
+    for row in d["shapes"]:
+        assert all(row[p]["bytes_verified"] for p in ("packed", "prepped", "runs", "direct")), row["shape"]
+    assert d["rule"]["text"] and d["rule_to_slots"]["text"]
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError):
         BenchOptions(transport="tcp")
     with pytest.raises(ValueError):
         BenchOptions(small_bytes=2 << 20, full_bytes=1 << 20)
+    with pytest.raises(ValueError):
+        BenchOptions(alloc_loads=0)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--full", "-3"])
     with pytest.raises(SystemExit):
@@ -193,7 +211,7 @@ def test_local_transport_bench_runs_in_process(monkeypatch):
         raise AssertionError("blocks from rank 2 layer 1 differ")
     monkeypatch.setattr(serving, "serving", broken)
     o = BenchOptions(transport="local", full_bytes=FULL, small_bytes=SMALL, quick=True, copies=20,
-                     loads=10, trace_batches=30, trace_large=3, alloc_copies=60)
+                     loads=10, trace_batches=30, trace_large=3, alloc_copies=60, alloc_loads=100)
     r = anyio.run(run, o)
     assert r["environment"]["transport"] == "local" and r["floor"]["kind"] == "memcpy"
     assert r["seed_cases"]["sustained_small"]["wire_bytes"] == 20 * SMALL
@@ -207,6 +225,8 @@ def test_serving_section_needs_nixl():
     from xavier_async.bench.serving import serving, serving_tables
     s = anyio.run(serving, BenchOptions(transport="local"))
     assert "NIXL" in s["skipped"] and serving_tables(s)[0][2] == ["skipped"]
+
+    assert r["memory_loads"]["bytes_verified"] and "descriptors" not in r  # needs NIXL
 
 
 def test_the_installed_command_is_the_bench_cli():

@@ -45,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the floor, four channel-copy cases (always full, alternating "
                                    "under size-only selection and under the streak machine, sustained "
                                    "small), end-to-end loads, "
-                                   "a serving-trace replay, the decision cost, memory growth and "
-                                   "serving load (two sources, 16 loads in flight).")
+                                   "a serving-trace replay, the decision cost, memory growth over "
+                                   "copies and over loads, the packed path vs the descriptor path "
+                                   "per batch shape, and serving load (two sources, 16 loads in "
+                                   "flight).")
     b.add_argument("--transport", choices=("nixl", "local"), default="nixl",
                    help="nixl: peer in a child process over real NIXL (default); local: in-process")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -58,7 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trace-batches", type=_positive, default=628)
     b.add_argument("--trace-large", type=int, default=25)
     b.add_argument("--alloc-copies", type=_positive, default=10_000,
-                   help="copies for the memory-growth check")
+                   help="copies for the memory-growth check over copies")
+    b.add_argument("--alloc-loads", type=_positive, default=10_000,
+                   help="real loads for the memory-growth check over loads (default 10000)")
+    b.add_argument("--no-descriptors", dest="descriptors", action="store_false",
+                   help="skip the packed-vs-descriptor-path section (raw NIXL, two processes)")
     b.add_argument("--seed", type=int, default=0)
     pin = b.add_mutually_exclusive_group()
     pin.add_argument("--pin", dest="pin", action="store_const", const=True, default=None,
@@ -139,7 +145,8 @@ def _bench(args: argparse.Namespace) -> int:
         opts = BenchOptions(transport=args.transport, device=args.device, full_bytes=args.full,
                             small_bytes=args.small, copies=args.copies, loads=args.loads,
                             trace_batches=args.trace_batches, trace_large=args.trace_large,
-                            alloc_copies=args.alloc_copies, seed=args.seed, quick=args.quick,
+                            alloc_copies=args.alloc_copies, alloc_loads=args.alloc_loads,
+                            descriptors=args.descriptors, seed=args.seed, quick=args.quick,
                             pin_cpus=args.pin, compare=args.compare, serving=args.serving)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
@@ -155,8 +162,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.only_serving:
         return _only_serving(args, opts, console)
     sections = ["floor", "seed cases", "end-to-end loads", "trace replay", "trace as loads",
-                "decision cost", "memory growth"] + (["serving load"] if opts.serving else []) \
-        + (["xoscar compare"] if opts.compare else [])
+                "decision cost", "memory growth", "memory over loads"]
+    if opts.descriptors and opts.transport == "nixl":
+        sections.append("descriptor path")
+    if opts.serving:
+        sections.append("serving load")
+    if opts.compare:
+        sections.append("xoscar compare")
     if console is not None:
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -253,6 +265,11 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
                            f"yes ({tl['slots_checked']} slots)" if tl["bytes_verified"] else "NO"])
     target_rows = [[k, f"{v['value']:.3g}", f"<= {v['limit']:.3g}", "met" if v["met"] else "MISSED"]
                    for k, v in r["targets"].items()]
+    ml = r.get("memory_loads")
+    loads_note = "" if ml is None else (
+        f"; over {ml['loads']} loads: Python objects retained {ml['python_retained_bytes']} B, "
+        f"RSS {ml['rss_growth_bytes']} B (peer {ml['peer_rss_growth_bytes']}), device "
+        f"{ml['device_growth_bytes']} B, bytes {'checked' if ml['bytes_verified'] else 'WRONG'}")
     tables = [
         (f"Floor ({fl['kind']}, per copy, us; full={o['full_bytes']} B, small={o['small_bytes']} B)",
          floor_rows, ["size", "median", "p95", "median at end"]),
@@ -267,8 +284,20 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
           "bytes ok"]),
         (f"Targets; decision {r['decision']['median_us']:.2f} us; memory growth "
          f"over {r['memory']['copies']} copies: host {r['memory']['rss_growth_bytes']} B, device "
-         f"{r['memory']['device_growth_bytes']} B", target_rows, ["target", "value", "limit", ""]),
+         f"{r['memory']['device_growth_bytes']} B{loads_note}", target_rows,
+         ["target", "value", "limit", ""]),
     ]
+    d = r.get("descriptors")
+    if d is not None:
+        from .descriptors import HEADER, print_descriptors
+        tables.append((f"Packed path vs descriptor path ({d['memory']}, raw NIXL, two processes; "
+                       f"median us per transfer to DONE; packed/prepped/runs land in the peer's "
+                       f"slab, direct in its cache slots, unpack is the engine's, measured at the "
+                       f"source; cache registrations {d['cache_registrations']} "
+                       f"({d['cache_regions_registered']} regions) at start, "
+                       f"{d['registrations_after_warmup']} after warm-up). Rule, into the slab: "
+                       f"{d['rule']['text']}. Rule, into the slots: {d['rule_to_slots']['text']}",
+                       print_descriptors(d), HEADER))
     small_floor = fl["small"]["median_us"]
     stage_table = _stage_rows(e2e, tl, small_floor)
     if stage_table is not None:

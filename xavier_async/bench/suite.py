@@ -15,7 +15,10 @@ the default) or in this process (``--transport local``). Sections:
   as real loads (block keys, layers and destination slots, bytes checked at the end);
 * the per-stage breakdown of each load (receiver and source stage histograms, when the
   engine records them) and the cost of planning one block hash x all layers;
-* the state-machine decision cost and memory growth over many copies;
+* the state-machine decision cost and memory growth over many copies and over many real
+  loads (host: Python objects retained and RSS; device: the CUDA allocator);
+* packed path vs descriptor path per batch shape (:mod:`.descriptors`, raw NIXL between
+  two processes, after the rig is closed), and the rule the figures support.
 * serving load (:mod:`.serving`): two source processes and this loader, the trace
   replayed with 16 loads in flight, one receive/send slab vs the engine's default.
 
@@ -69,6 +72,10 @@ class BenchOptions:
     trace_batches: int = 628
     trace_large: int = 25
     alloc_copies: int = 10_000
+    #: real loads for the memory-growth check over loads
+    alloc_loads: int = 10_000
+    #: run the packed-vs-descriptor section (NIXL transport only)
+    descriptors: bool = True
     seed: int = 0
     quick: bool = False
     progress: bool = True
@@ -89,7 +96,7 @@ class BenchOptions:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         for name in ("full_bytes", "small_bytes", "copies", "warmup", "loads", "trace_batches",
-                     "alloc_copies"):
+                     "alloc_copies", "alloc_loads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 <= self.trace_large <= self.trace_batches:
@@ -100,6 +107,7 @@ class BenchOptions:
             self.copies, self.warmup, self.loads = min(self.copies, 60), min(self.warmup, 10), min(self.loads, 40)
             self.trace_batches, self.trace_large = min(self.trace_batches, 126), min(self.trace_large, 5)
             self.alloc_copies = min(self.alloc_copies, 1000)
+            self.alloc_loads = min(self.alloc_loads, 500)
 
     def resolved_pin(self) -> bool:
         """Whether to pin: as asked, else only when the run is on the CPU."""
@@ -507,6 +515,100 @@ async def memory_growth(rig: Rig, o: BenchOptions) -> dict[str, Any]:
             "slab_bytes_per_endpoint": slabs}
 
 
+def _peer_rss_bytes(rig: Rig) -> int | None:
+    """The peer process's RSS (None when the peer lives in this process)."""
+    peer = getattr(rig, "peer", None)
+    proc = getattr(peer, "proc", None)
+    if proc is None:
+        return None
+    with open(f"/proc/{proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def memory_requests(layout: LayoutSpec) -> list[dict[int, Any]]:
+    """The loads the memory check cycles through: one block hash x all layers, one layer
+    block, 8 consecutive hashes x all layers, 8 scattered hashes x 3 layers."""
+    half = layout.num_slots // 2
+    n = min(8, half)
+    scattered = {(k * 5) % half: half + (k * 3) % half for k in range(n)}
+    return [_load_request(1, layout.layers, layout, key0=1),
+            _load_request(1, 1, layout, key0=2),
+            _load_request(n, layout.layers, layout),
+            {PEER: {layer: dict(scattered) for layer in (0, layout.layers // 2, layout.layers - 1)}}]
+
+
+async def load_memory_growth(rig: Rig, o: BenchOptions) -> dict[str, Any]:
+    """Memory growth over ``o.alloc_loads`` real :meth:`Endpoint.load` calls (after a
+    warm-up), measured twice: a first run for host RSS (this process and the peer's) and
+    device memory (``torch.cuda.memory_allocated``), a second under ``tracemalloc`` for the
+    Python objects the loads leave alive (net traced bytes between two snapshots taken at
+    the same quiet point, after ``gc.collect``, with the top allocation sites when not
+    zero). The last loads of each run have their destination slots zeroed first and their
+    bytes checked after."""
+    import gc
+    import tracemalloc
+
+    ep, layout = rig.ep, rig.layout
+    reqs = memory_requests(layout)
+    expected = {PEER: pattern_caches(layout, PEER, o.seed)}
+    cuda = ep.layout.device.type == "cuda"
+
+    def dev_bytes() -> int:
+        return torch.cuda.memory_allocated(ep.layout.device) if cuda else 0
+
+    async def loads(n: int) -> bool:
+        checked = True
+        for i in range(n):
+            req = reqs[i % len(reqs)]
+            last = i >= n - len(reqs)
+            if last:
+                zero_slots(ep.caches, req)
+            await ep.load(req)
+            if last:
+                checked = checked and check_loaded(ep.caches, req, expected) > 0
+        return checked
+
+    async def settle() -> None:  # no load in flight, the loop's callbacks run, garbage gone
+        await anyio.sleep(0.005)
+        gc.collect()
+
+    await loads(max(len(reqs), min(200, o.alloc_loads // 10)))  # warm: every shape planned
+    await settle()
+    rss0, peer0, dev0 = _rss_bytes(), _peer_rss_bytes(rig), dev_bytes()
+    ok_rss = await loads(o.alloc_loads)
+    await settle()
+    rss1, peer1, dev1 = _rss_bytes(), _peer_rss_bytes(rig), dev_bytes()
+    # the progress display (rich) redraws from its own thread: not the loads' memory
+    ignore = [tracemalloc.Filter(False, f) for f in ("*/rich/*", tracemalloc.__file__)]
+    tracemalloc.start(8)
+    try:
+        # both snapshots at the same point of an identical cycle (loads, then quiet), after
+        # a traced warm-up: one-time caches (abc, re, the filter's own) and the live state of
+        # the transport's poll task are in both, so only what the loads keep adds up
+        await loads(max(len(reqs), min(200, o.alloc_loads // 10)))
+        await settle()
+        tracemalloc.take_snapshot().filter_traces(ignore)
+        before = tracemalloc.take_snapshot().filter_traces(ignore)
+        ok_traced = await loads(o.alloc_loads)
+        await settle()
+        after = tracemalloc.take_snapshot().filter_traces(ignore)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    diff = after.compare_to(before, "lineno")
+    retained = sum(d.size_diff for d in diff)
+    top = [str(d) for d in sorted(diff, key=lambda d: -d.size_diff)[:5] if d.size_diff > 0]
+    return {"loads": o.alloc_loads, "requests": len(reqs),
+            "python_retained_bytes": retained, "python_peak_bytes": peak,
+            "python_top_growth": top,
+            "rss_growth_bytes": rss1 - rss0,
+            "peer_rss_growth_bytes": None if peer0 is None or peer1 is None else peer1 - peer0,
+            "device_growth_bytes": dev1 - dev0, "bytes_verified": ok_rss and ok_traced}
+
+
 def environment(rig: Rig, device: str) -> dict[str, Any]:
     env: dict[str, Any] = {
         "xavier_async": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
@@ -625,6 +727,8 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         res["plan"] = plan_cost(rig.layout, o.full_bytes)
         report("memory growth")
         res["memory"] = await memory_growth(rig, o)
+        report("memory over loads")
+        res["memory_loads"] = await load_memory_growth(rig, o)
         # the floor again, to show how much the machine drifted during the run
         res["floor_after"] = {"full": stats(rig.floor(o.full_bytes, max(20, o.copies // 4))),
                               "small": stats(rig.floor(o.small_bytes, o.copies // 2))}
@@ -635,6 +739,13 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         return res
 
     res: dict[str, Any] = await _with_rig(o, body)
+    if o.descriptors and o.transport == "nixl":
+        # its own two processes, after our rig is closed (a quiet machine)
+        from .descriptors import run_descriptors
+        report("descriptor path")
+        res["descriptors"] = await anyio.to_thread.run_sync(
+            lambda: run_descriptors(o.full_bytes, device, iters=max(8, o.copies // 2),
+                                    warmup=min(o.warmup, 10), seed=o.seed, quick=o.quick))
     if o.serving:
         # after the rig is closed: three processes of its own (loader and two sources)
         from .serving import serving
@@ -692,6 +803,12 @@ def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "memory_growth_bytes": t(max(r["memory"]["rss_growth_bytes"], r["memory"]["device_growth_bytes"],
                                      0), 0),
     }
+    ml = r.get("memory_loads")
+    if ml is not None:
+        # over real loads: Python objects left alive, device memory, and this process's RSS
+        out["load_memory_python_bytes"] = t(max(ml["python_retained_bytes"], 0), 0)
+        out["load_memory_device_bytes"] = t(max(ml["device_growth_bytes"], 0), 0)
+        out["load_memory_rss_bytes"] = t(max(ml["rss_growth_bytes"], 0), 0)
     if r["environment"].get("device") == "cuda":
         out["e2e_small_load_us"] = t(r["e2e_loads"]["small"]["median_us"], 150.0)
     return out
