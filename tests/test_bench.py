@@ -217,6 +217,7 @@ def test_local_transport_bench_runs_in_process(monkeypatch):
     assert r["seed_cases"]["sustained_small"]["wire_bytes"] == 20 * SMALL
     assert r["trace"]["trimmed_streak"]["wire_over_useful"] <= 1.02
     assert r["serving"] == {"error": "AssertionError: blocks from rank 2 layer 1 differ"}
+    assert r["memory_loads"]["bytes_verified"] and "descriptors" not in r  # needs NIXL
 
 
 def test_serving_section_needs_nixl():
@@ -225,8 +226,6 @@ def test_serving_section_needs_nixl():
     from xavier_async.bench.serving import serving, serving_tables
     s = anyio.run(serving, BenchOptions(transport="local"))
     assert "NIXL" in s["skipped"] and serving_tables(s)[0][2] == ["skipped"]
-
-    assert r["memory_loads"]["bytes_verified"] and "descriptors" not in r  # needs NIXL
 
 
 def test_the_installed_command_is_the_bench_cli():
