@@ -52,13 +52,26 @@ from .protocol import (Error, Hello, Landed, Load, NeedsMapping, ParsedLoad, Pen
                        ProtocolError, Ready, Refuse, RequestTable, check_epoch, check_hello,
                        check_probe, decide, decode, parse_load, peer_facts)
 from .retry import RetryPolicy
-from .shielded import until_set, wait_terminal
+from .shielded import wait_terminal
 from .sizes import DEFAULT_FULL_BYTES, SlabSizes
 from .slabs import RecvSlabs, Slab, SlabPool, Ticket, allocate_slab, payload_digest
 from .transports.base import Transport
 from .transports.local import LocalTransport
 
 log = logging.getLogger("xavier_async")
+
+#: how many forks this process descends from (a forked child sees a new value without a
+#: getpid() system call on every load)
+_forks = 0
+
+
+def _after_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 @dataclass(frozen=True)
@@ -176,6 +189,7 @@ class Endpoint:
         #: names this endpoint instance in handshakes (a restarted process has a new one)
         self.incarnation = uuid.uuid4().hex
         self._pid = os.getpid()
+        self._forks = _forks
         #: as a receiver: the epoch our requests to each peer carry (one per connection)
         self._epoch: dict[int, int] = {}
         #: as a source: the oldest epoch we serve for each peer
@@ -373,7 +387,7 @@ class Endpoint:
             raise EndpointClosedError(
                 "endpoint is not open (use `async with Endpoint(...)`)" if self._state == "new"
                 else "endpoint is closed")
-        if self._pid != os.getpid():
+        if self._forks != _forks:
             raise EndpointClosedError(
                 f"this Endpoint was created in process {self._pid}; a forked child cannot use "
                 "it (its event loop, transport and registrations belong to the parent): create "
@@ -706,7 +720,7 @@ class Endpoint:
         try:
             # from the first byte of the request on, the copy is "started": it is
             # waited for until the source reports a terminal state
-            wait_for_reply = until_set(landed, self.config.request_timeout)
+            deadline = anyio.current_time() + self.config.request_timeout
             sent = 0  # perf_counter_ns once the request is out
             msg = Load.of(req.req_id, batch, self._epoch.get(src, 0), slab.index,
                           self.config.verify).to_wire()
@@ -723,9 +737,9 @@ class Endpoint:
                         req.fail(exc, settled=True)  # never sent: nothing can land
                     sent = perf_counter_ns()
                     self._stages.post.record(sent - t_post)
-                await wait_for_reply()
+                await landed.wait()
 
-            held = await wait_terminal(request_and_wait)
+            held = await wait_terminal(request_and_wait, deadline)
             self._stages.wait.record(perf_counter_ns() - sent)
             if not req.done:
                 m.load_errors += 1
@@ -757,21 +771,30 @@ class Endpoint:
                     f"batch from rank {src} failed verification (digest {got}, the source "
                     f"sent {req.digest}): not unpacked, the slots keep their contents")
         t_unpack = perf_counter_ns()
-        self._unpack(batch, slab)
+        await self._unpack(batch, slab)
         self._stages.unpack.record(perf_counter_ns() - t_unpack)
         m.batches_received += 1
         m.bytes_received += req.wire_bytes
         return req.wire_bytes
 
-    def _unpack(self, batch: PlannedBatch, slab: Slab) -> None:
-        # one pass (memmoves on the CPU, one fused launch on CUDA). Stream-ordered: only
-        # enqueued, the caches' current stream waits on its event, and this receive slab
-        # is lent again only after it has run (_recv_slab_free)
+    async def _unpack(self, batch: PlannedBatch, slab: Slab) -> None:
+        # one pass (memmoves on the CPU, one fused launch on CUDA). This receive slab is
+        # lent again only after its unpack has run (_recv_slab_free). Stream-ordered: only
+        # enqueued, and the caches' current stream waits on its event. Otherwise its event
+        # is polled, shielded (the slots are being written whatever happens), so that other
+        # loads progress while the device copies instead of the event loop blocking
         event = unpack(self._recv_rows[slab.index], batch, self._cache_table, self._device_runs,
-                       wait=not self.config.stream_ordered_unpack)
-        if event is not None:
+                       wait=False)
+        if event is None:
+            return
+        self._unpacked[slab.index] = event
+        if self.config.stream_ordered_unpack:
             torch.cuda.current_stream(self.layout.device).wait_event(event)
-            self._unpacked[slab.index] = event
+            return
+        with anyio.CancelScope(shield=True):
+            while not event.query():
+                await anyio.lowlevel.checkpoint()
+        self._unpacked.pop(slab.index, None)
 
     def _recv_slab_free(self, slab: Slab) -> None:
         """Wait for the last unpack out of ``slab`` to have read it (CUDA only), before a

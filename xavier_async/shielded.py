@@ -13,30 +13,23 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 
-async def wait_terminal(step: Callable[[], Awaitable[object]]) -> BaseException | None:
+async def wait_terminal(step: Callable[[], Awaitable[object]],
+                        deadline: float | None = None) -> BaseException | None:
     """Await ``step()`` in a shielded scope until it returns (call it again after each
-    native cancellation); return the last such cancellation, or ``None``."""
+    native cancellation); return the last such cancellation, or ``None``. With
+    ``deadline`` (on :func:`anyio.current_time`) the wait also ends then, quietly: the
+    caller sees that ``step`` did not finish (one scope does both: the hot path of a load
+    pays for one)."""
     held: BaseException | None = None
-    with anyio.CancelScope(shield=True):
+    with anyio.CancelScope(shield=True) as scope:
+        if deadline is not None:
+            scope.deadline = deadline
         while True:
             try:
                 await step()
                 break
-            except anyio.get_cancelled_exc_class() as exc:  # only a native one gets through
-                held = exc
+            except anyio.get_cancelled_exc_class() as exc:
+                if scope.cancel_called:  # our own deadline: the scope absorbs it
+                    raise
+                held = exc  # a native cancellation got through the shield
     return held
-
-
-def until_set(event: anyio.Event, timeout: float | None = None) -> Callable[[], Awaitable[None]]:
-    """A :func:`wait_terminal` step: wait for ``event``, up to ``timeout`` seconds in all
-    (the deadline is fixed now, on :func:`anyio.current_time`, and survives re-entry)."""
-    deadline = None if timeout is None else anyio.current_time() + timeout
-
-    async def step() -> None:
-        if deadline is None:
-            await event.wait()
-            return
-        with anyio.move_on_after(deadline - anyio.current_time()):
-            await event.wait()
-
-    return step
