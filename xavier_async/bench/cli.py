@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="skip the serving-load section (two source processes, 16 loads in flight)")
     serving.add_argument("--only-serving", action="store_true",
                          help="run only the serving-load section (its own floor included)")
+    b.add_argument("--serving-topology", choices=("auto", "three", "duplex"), default="auto",
+                   help="serving load between a loader and two sources (three processes) or two "
+                        "endpoints that both load and serve (duplex); default: duplex on CUDA "
+                        "(one process per GPU), three on the CPU")
     b.add_argument("--soak", type=_positive, metavar="N",
                    help="instead of the sections: N loads over NIXL between processes with "
                         "injected faults, cancellations and a peer restart, every byte checked")
@@ -147,7 +151,8 @@ def _bench(args: argparse.Namespace) -> int:
                             trace_batches=args.trace_batches, trace_large=args.trace_large,
                             alloc_copies=args.alloc_copies, alloc_loads=args.alloc_loads,
                             descriptors=args.descriptors, seed=args.seed, quick=args.quick,
-                            pin_cpus=args.pin, compare=args.compare, serving=args.serving)
+                            pin_cpus=args.pin, compare=args.compare, serving=args.serving,
+                            serving_topology=args.serving_topology)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2
@@ -204,7 +209,7 @@ def _only_serving(args: argparse.Namespace, opts: Any, console: Any) -> int:
     from .serving import serving, serving_tables
     from .suite import use_device
     if opts.transport != "nixl":
-        print("--only-serving runs three processes over NIXL: drop --transport local", file=sys.stderr)
+        print("--only-serving runs processes over NIXL: drop --transport local", file=sys.stderr)
         return 2
     use_device(opts)
     result = {"options": asdict(opts), "serving": anyio.run(serving, opts)}
