@@ -225,7 +225,7 @@ async def test_peer_replay_checks_what_it_loaded():
     from xavier_async.transports.nixl import NixlTransport
 
     spec = LayoutSpec(layers=2, num_slots=12, block_shape=(4, 64), dtype="bfloat16")
-    published, cfg = 4, dict(full_bytes=64 << 10, small_bytes=8 << 10)
+    published, cfg = 4, {"full_bytes": 64 << 10, "small_bytes": 8 << 10}
 
     def req(keys, slot0=published):
         return {0: {layer: {k: slot0 + i for i, k in enumerate(keys)} for layer in range(spec.layers)}}
@@ -262,7 +262,7 @@ async def test_peer_replay_checks_what_it_loaded():
 def test_serving_byte_check_names_a_wrong_block():
     """The serving section's check fails on one flipped byte in one destination slot."""
     from xavier_async.bench.serving import Load, check_phase, requests_for
-    from xavier_async.testing.peer_process import LayoutSpec, pattern_caches, zero_caches
+    from xavier_async.testing.peer_process import pattern_caches, zero_caches
 
     spec = LayoutSpec(layers=3, num_slots=8, block_shape=(4, 8), dtype="bfloat16")
     expected = {1: pattern_caches(spec, 1, 0), 2: pattern_caches(spec, 2, 0)}

@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "small), end-to-end loads, "
                                    "a serving-trace replay, the decision cost, memory growth over "
                                    "copies and over loads, the packed path vs the descriptor path "
-                                   "per batch shape, and serving load (two sources, 16 loads in "
-                                   "flight).")
+                                   "per batch shape, and serving load (16 loads in flight, a loader "
+                                   "and two sources, or two endpoints that both load and serve).")
     b.add_argument("--transport", choices=("nixl", "local"), default="nixl",
                    help="nixl: peer in a child process over real NIXL (default); local: in-process")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small counts (CI); same sections")
     serving = b.add_mutually_exclusive_group()
     serving.add_argument("--no-serving", dest="serving", action="store_false",
-                         help="skip the serving-load section (two source processes, 16 loads in flight)")
+                         help="skip the serving-load section (two or three processes, 16 loads in flight)")
     serving.add_argument("--only-serving", action="store_true",
                          help="run only the serving-load section (its own floor included)")
     b.add_argument("--serving-topology", choices=("auto", "three", "duplex"), default="auto",

@@ -490,7 +490,8 @@ def plot_serving(ax: Any, s: dict[str, Any]) -> None:
     ax.set_xticks(x, labels)
     ax.set_yscale("log")
     ax.set_ylabel("small load latency (us, log)")
-    ax.set_title(f"Small loads, unloaded vs mixed trace ({s['concurrency']} in flight)")
+    who = ", duplex: rank 0's loads" if s.get("topology") == "duplex" else ""
+    ax.set_title(f"Small loads, unloaded vs mixed trace ({s['concurrency']} in flight{who})")
     ax.legend()
 
 

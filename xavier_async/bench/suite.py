@@ -19,8 +19,9 @@ the default) or in this process (``--transport local``). Sections:
   loads (host: Python objects retained and RSS; device: the CUDA allocator);
 * packed path vs descriptor path per batch shape (:mod:`.descriptors`, raw NIXL between
   two processes, after the rig is closed), and the rule the figures support.
-* serving load (:mod:`.serving`): two source processes and this loader, the trace
-  replayed with 16 loads in flight, one receive/send slab vs the engine's default.
+* serving load (:mod:`.serving`): two source processes and this loader (DRAM), or two
+  endpoints that both load and serve (the GPU pair), the trace replayed with 16 loads in
+  flight, one receive/send slab vs the engine's default.
 
 Times are medians (and p95) of per-operation wall time; every comparison is a ratio.
 """
