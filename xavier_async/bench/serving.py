@@ -240,11 +240,18 @@ class Phases:
         self.loads_checked += len(reqs)
         for t in self.ep.caches.values():
             t[self.base:].zero_()
+        _sync(self.ep.caches)  # zeroed before the next phase's loads write there
         if peer_loads is not None:
             assert self.peer is not None
             c = await _peer_call(self.peer, "check_replay")
             self.peer_checked = {k: self.peer_checked[k] + c[k] for k in ("loads", "blocks")}
         return mine, (theirs[0] if theirs else None)
+
+
+def _sync(caches: Any) -> None:
+    """On CUDA, wait for the caches' device (work queued on its current stream)."""
+    for device in {t.device for t in caches.values() if t.is_cuda}:
+        torch.cuda.synchronize(device)
 
 
 def side_figures(ph: dict[str, list[Load]], t: dict[str, Timing], layout: LayoutSpec) -> dict[str, Any]:

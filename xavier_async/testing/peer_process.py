@@ -266,6 +266,8 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                 blocks = check_requests(caches, replayed, expected)
                 for t in caches.values():
                     t[published:].zero_()
+                if spec.device.startswith("cuda"):  # zeroed before the next replay writes there
+                    torch.cuda.synchronize(torch.device(spec.device))
                 n, replayed[:] = len(replayed), []
                 return {"loads": n, "blocks": blocks}
 
