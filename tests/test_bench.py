@@ -10,6 +10,7 @@ import torch
 
 from xavier_async.bench import BenchOptions, bench_layout, make_trace, trace_payload
 from xavier_async.bench.cli import build_parser
+from xavier_async.testing.peer_process import LayoutSpec
 
 from .conftest import run_bench_cli
 
@@ -103,6 +104,7 @@ def test_serving_section_checks_every_load_and_registers_nothing_after_warm_up(r
 
     s, o = report["serving"], BenchOptions(**{k: v for k, v in report["options"].items()})
     phases = phase_loads(o, bench_layout(o.full_bytes))
+    assert s["topology"] == "three"  # the default on DRAM
     assert s["concurrency"] == 16 and set(s["runs"]) == {"k1", "default"}
     assert s["trace"]["loads"] == o.trace_batches and s["trace"]["large"] == o.trace_large
     for name, r in s["runs"].items():
@@ -128,10 +130,139 @@ def test_serving_section_checks_every_load_and_registers_nothing_after_warm_up(r
     assert s["targets"]["serving_bytes_checked"]["met"]
 
 
+@pytest.fixture(scope="module")
+def duplex(tmp_path_factory):
+    """``--only-serving --serving-topology duplex --quick`` on DRAM: two processes over real
+    NIXL, each loading from the other with 16 in flight while serving it."""
+    stdout, report = run_bench_cli(tmp_path_factory.mktemp("duplex"), "--only-serving",
+                                   "--serving-topology", "duplex")
+    assert "rank 1 loads from rank 0" in stdout and "rank 1: blocks checked" in stdout
+    return report
+
+
+def test_duplex_serving_checks_both_directions_and_registers_nothing_after_warm_up(duplex):
+    """Duplex: rank 0's loads (all from rank 1) and rank 1's mirrored loads (all from
+    rank 0), every phase checked block for block on each side (a wrong byte fails the run),
+    nothing registered after warm-up in either process, the same figures on both sides."""
+    from xavier_async.bench.serving import duplex_phases, slots_needed
+
+    s, o = duplex["serving"], BenchOptions(**duplex["options"])
+    assert o.serving_topology == "duplex" and s["topology"] == "duplex" and s["device"] == "cpu"
+    layout = bench_layout(o.full_bytes)
+    mine, theirs = duplex_phases(o, layout)
+    assert s["concurrency"] == 16 and set(s["runs"]) == {"k1", "default"}
+    for name, r in s["runs"].items():
+        assert r["topology"] == "duplex"
+        for side, phases in ((r, mine), (r["peer"], theirs)):
+            assert side["bytes_checked"] == {"loads": sum(len(p) for p in phases.values()),
+                                             "blocks": sum(x.blocks for p in phases.values() for x in p),
+                                             "ok": True}, name
+            assert side["unloaded_small"]["n"] == len(phases["unloaded"])
+            assert side["mixed"]["small"]["n"] + side["mixed"]["large"]["n"] == o.trace_batches
+            assert side["mixed"]["small"]["p99_us"] >= side["mixed"]["small"]["p50_us"] > 0
+            assert side["large_stream"]["useful_bytes"] == sum(x.blocks for x in phases["large_stream"]) \
+                * layout.block_nbytes
+        assert r["bytes_checked"]["blocks"] > 0 and r["peer"]["bytes_checked"]["blocks"] > 0
+        assert r["registrations_after_warmup"] == {"rank0": 0, "rank1": 0}, name
+        assert set(r["rss_growth_bytes"]) == {"rank0", "rank1"}
+        assert r["loader_slots"] == max(slots_needed(p) for p in [*mine.values(), *theirs.values()])
+        both = r["both_directions"]
+        assert both["large_stream_useful_gbps"] > r["large_stream"]["useful_gbps"] > 0
+        assert both["mixed_useful_gbps"] > r["mixed"]["useful_gbps"] > 0
+    assert s["runs"]["k1"]["receive_slabs"] == s["runs"]["k1"]["send_slabs"] == 1
+    assert s["targets"]["serving_registrations_after_warmup"]["met"]
+    both_sides = sum(r["bytes_checked"]["blocks"] + r["peer"]["bytes_checked"]["blocks"]
+                     for r in s["runs"].values())
+    assert s["targets"]["serving_bytes_checked"]["value"] == both_sides
+
+
+def test_duplex_traces_mirror_each_other():
+    """Rank 0 loads only from rank 1 and rank 1 only from rank 0; the mirrored trace has
+    the same counts with its own seed; destinations start above the published slots and
+    never overlap within a phase."""
+    from xavier_async.bench.serving import duplex_phases, requests_for
+
+    o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, quick=True)
+    layout = bench_layout(FULL)
+    mine, theirs = duplex_phases(o, layout)
+    assert {x.src for p in mine.values() for x in p} == {1}
+    assert {x.src for p in theirs.values() for x in p} == {0}
+    for name in mine:
+        assert len(mine[name]) == len(theirs[name]), name
+    for name in ("mixed", "large_stream"):  # (warm-up takes the start of each trace)
+        assert sum(x.large for x in mine[name]) == sum(x.large for x in theirs[name]), name
+    assert [x.keys for x in mine["mixed"]] != [x.keys for x in theirs["mixed"]]
+    for phase in (*mine.values(), *theirs.values()):
+        slots = [s for req in requests_for(phase, layout.num_slots) for layers in req.values()
+                 for s in next(iter(layers.values())).values()]
+        assert min(slots) == layout.num_slots and len(set(slots)) == len(slots)
+
+
+def test_serving_topology_option():
+    """auto: duplex on CUDA (one process per GPU), three on DRAM; anything else is refused."""
+    from xavier_async.bench.serving import resolve_topology
+    assert resolve_topology(BenchOptions(), "cuda") == "duplex"
+    assert resolve_topology(BenchOptions(), "cpu") == "three"
+    assert resolve_topology(BenchOptions(serving_topology="duplex"), "cpu") == "duplex"
+    assert resolve_topology(BenchOptions(serving_topology="three"), "cuda") == "three"
+    with pytest.raises(ValueError, match="serving_topology"):
+        BenchOptions(serving_topology="ring")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--serving-topology", "ring"])
+    assert build_parser().parse_args(["bench", "--serving-topology", "duplex"]).serving_topology == "duplex"
+
+
+@pytest.mark.asyncio
+async def test_peer_replay_checks_what_it_loaded():
+    """The peer process's replay/check_replay (the duplex bench's rank 1): loads from this
+    endpoint land above its published slots and are checked against this endpoint's
+    pattern; bytes that are not that pattern fail the check, naming the block; a replay
+    into the published slots is refused before anything moves."""
+    import anyio
+
+    from xavier_async import Endpoint, EndpointConfig
+    from xavier_async.testing.peer_process import PeerProcess, PeerSpec, split_caches
+    from xavier_async.transports.nixl import NixlTransport
+
+    spec = LayoutSpec(layers=2, num_slots=12, block_shape=(4, 64), dtype="bfloat16")
+    published, cfg = 4, {"full_bytes": 64 << 10, "small_bytes": 8 << 10}
+
+    def req(keys, slot0=published):
+        return {0: {layer: {k: slot0 + i for i, k in enumerate(keys)} for layer in range(spec.layers)}}
+
+    with PeerProcess(PeerSpec(rank=1, layout=spec, seed=3, config=cfg, published=published,
+                              torch_threads=1)) as p:
+        async def call(cmd, arg=None):
+            return await anyio.to_thread.run_sync(p.call, cmd, arg)
+
+        for seed, ok in ((3, True), (4, False)):  # the child expects rank 0's pattern of seed 3
+            caches = split_caches(spec, published, 0, seed)
+            async with Endpoint(0, caches, NixlTransport(), EndpointConfig(**cfg)) as ep:
+                for slot in range(published):
+                    ep.publish(slot, slot)
+                await ep.connect(p.address)
+                with anyio.fail_after(30):
+                    while 0 not in await call("peers"):
+                        await anyio.sleep(0.01)
+                with pytest.raises(RuntimeError, match="slots >= published"):
+                    await call("replay", {"requests": [req([1], slot0=2)], "concurrency": 1})
+                r = await call("replay", {"requests": [req([3, 1]), req([0, 2, 1], slot0=6)],
+                                          "concurrency": 2})
+                assert len(r["latencies"]) == 2 and min(r["latencies"]) > 0
+                if ok:
+                    assert await call("check_replay") == {"loads": 2, "blocks": 2 * 2 + 3 * 2}
+                else:
+                    with pytest.raises(RuntimeError, match="block 3 from rank 0 layer 0 differs"):
+                        await call("check_replay")
+            with anyio.fail_after(30):  # rank 0 leaves before the next round connects again
+                while 0 in await call("peers"):
+                    await anyio.sleep(0.01)
+
+
 def test_serving_byte_check_names_a_wrong_block():
     """The serving section's check fails on one flipped byte in one destination slot."""
     from xavier_async.bench.serving import Load, check_phase, requests_for
-    from xavier_async.testing.peer_process import LayoutSpec, pattern_caches, zero_caches
+    from xavier_async.testing.peer_process import pattern_caches, zero_caches
 
     spec = LayoutSpec(layers=3, num_slots=8, block_shape=(4, 8), dtype="bfloat16")
     expected = {1: pattern_caches(spec, 1, 0), 2: pattern_caches(spec, 2, 0)}

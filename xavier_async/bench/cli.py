@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "small), end-to-end loads, "
                                    "a serving-trace replay, the decision cost, memory growth over "
                                    "copies and over loads, the packed path vs the descriptor path "
-                                   "per batch shape, and serving load (two sources, 16 loads in "
-                                   "flight).")
+                                   "per batch shape, and serving load (16 loads in flight, a loader "
+                                   "and two sources, or two endpoints that both load and serve).")
     b.add_argument("--transport", choices=("nixl", "local"), default="nixl",
                    help="nixl: peer in a child process over real NIXL (default); local: in-process")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -75,9 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small counts (CI); same sections")
     serving = b.add_mutually_exclusive_group()
     serving.add_argument("--no-serving", dest="serving", action="store_false",
-                         help="skip the serving-load section (two source processes, 16 loads in flight)")
+                         help="skip the serving-load section (two or three processes, 16 loads in flight)")
     serving.add_argument("--only-serving", action="store_true",
                          help="run only the serving-load section (its own floor included)")
+    b.add_argument("--serving-topology", choices=("auto", "three", "duplex"), default="auto",
+                   help="serving load between a loader and two sources (three processes) or two "
+                        "endpoints that both load and serve (duplex); default: duplex on CUDA "
+                        "(one process per GPU), three on the CPU")
     b.add_argument("--soak", type=_positive, metavar="N",
                    help="instead of the sections: N loads over NIXL between processes with "
                         "injected faults, cancellations and a peer restart, every byte checked")
@@ -147,7 +151,8 @@ def _bench(args: argparse.Namespace) -> int:
                             trace_batches=args.trace_batches, trace_large=args.trace_large,
                             alloc_copies=args.alloc_copies, alloc_loads=args.alloc_loads,
                             descriptors=args.descriptors, seed=args.seed, quick=args.quick,
-                            pin_cpus=args.pin, compare=args.compare, serving=args.serving)
+                            pin_cpus=args.pin, compare=args.compare, serving=args.serving,
+                            serving_topology=args.serving_topology)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2
@@ -204,7 +209,7 @@ def _only_serving(args: argparse.Namespace, opts: Any, console: Any) -> int:
     from .serving import serving, serving_tables
     from .suite import use_device
     if opts.transport != "nixl":
-        print("--only-serving runs three processes over NIXL: drop --transport local", file=sys.stderr)
+        print("--only-serving runs processes over NIXL: drop --transport local", file=sys.stderr)
         return 2
     use_device(opts)
     result = {"options": asdict(opts), "serving": anyio.run(serving, opts)}

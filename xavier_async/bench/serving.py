@@ -1,55 +1,81 @@
-"""The serving-load section of ``xavier-async bench``: many loads in flight from two peers.
+"""The serving-load section of ``xavier-async bench``: many loads in flight between processes.
 
-Three processes: this one is the loader (rank 0); ranks 1 and 2 are sources, each a
-:class:`~xavier_async.testing.PeerProcess` whose caches hold known bytes. The loader
-replays the seed-shaped trace (:func:`~xavier_async.bench.suite.make_trace`: a few cold
-loads near the full slab among many warm small ones) as real :meth:`Endpoint.load` calls
-with :data:`CONCURRENCY` requests in flight, each load from one of the two sources.
+Two topologies (``BenchOptions.serving_topology``; ``auto`` picks ``duplex`` on CUDA and
+``three`` on DRAM):
+
+* ``three``: this process is the loader (rank 0); ranks 1 and 2 are sources, each a
+  :class:`~xavier_async.testing.PeerProcess` whose caches hold known bytes. The loader
+  replays the seed-shaped trace (:func:`~xavier_async.bench.suite.make_trace`: a few cold
+  loads near the full slab among many warm small ones) as real :meth:`Endpoint.load` calls
+  with :data:`CONCURRENCY` requests in flight, each load from one of the two sources.
+* ``duplex`` (the GPU pair: one process per GPU): two endpoints that both load and serve
+  at once. Rank 0 (this process) replays the trace as loads from rank 1 (a PeerProcess on
+  the other GPU) while rank 1 replays a mirrored trace (same sizes, its own seed) as loads
+  from rank 0, each with :data:`CONCURRENCY` in flight. Each side's caches are split: the
+  low slots hold its pattern bytes (published, served to the other side), the high slots
+  are the destination of its own loads. Rank 1's figures are under ``"peer"``.
 
 It runs twice, side by side: with one receive slab and one send slab per endpoint (K=1,
 the seed's design) and with the endpoint's default K (``EndpointConfig.receive_slabs``
 and ``send_slabs``).
 
 Per run, phases (each with its own destination slots, all checked byte for byte after
-the phase, outside the timings):
+the phase, outside the timings, on both sides in duplex):
 
 * warm-up: a round of large loads all in flight at once, the start of the trace and a
-  round of concurrent small loads (both views used on every slab, from both sources);
-  registrations and RSS of all three processes are sampled after it;
-* unloaded: the trace's small loads alone, one at a time (latency p50/p99);
+  round of concurrent small loads (both views used on every slab, from every source; in
+  duplex both directions at once); registrations and RSS of every process are sampled
+  after it;
+* unloaded: the trace's small loads alone, one at a time (latency p50/p99; in duplex
+  rank 0's, then rank 1's, never both at once);
 * mixed: the whole trace, 16 in flight (useful GB/s, loads/s, small-load p50/p99);
 * concurrent small: the trace's small loads, 16 in flight (loads/s);
-* large stream: full-slab loads from both sources, 16 in flight, aggregate useful
-  bandwidth against the raw NIXL full-copy rate measured in the same run.
+* large stream: full-slab loads, 16 in flight, aggregate useful bandwidth against the
+  raw NIXL full-copy rate measured in the same run (rank 0 to its first peer).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
-import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
 import torch
 
 from ..endpoint import Endpoint, EndpointConfig
-from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_loaded, pattern_caches, \
-    zero_caches
+from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requests, pattern_caches, \
+    replay_loads, split_caches, zero_caches
 from .raw import RAW_COPIES, raw_floor
-from .soak import _sample
+from .soak import _rss_kib
 from .suite import BenchOptions, bench_layout, make_trace, stats, target
 
 #: loads in flight, as in the seed's deployment
 CONCURRENCY = 16
 SOURCES = (1, 2)
+#: the serving topologies (module docstring)
+TOPOLOGIES = ("three", "duplex")
 #: the EndpointConfig fields of the slab counts
 SLAB_FIELDS = ("receive_slabs", "send_slabs")
+#: seconds a peer process may take for one phase (its replay or its check)
+PEER_TIMEOUT = 600.0
 
 Request = dict[int, dict[int, dict[int, int]]]
+Timing = tuple[list[float], float]
+
+
+def resolve_topology(o: BenchOptions, device: str) -> str:
+    """``o.serving_topology``, with ``auto``: duplex on CUDA (one process per GPU), else three."""
+    t = o.serving_topology
+    if t == "auto":
+        return "duplex" if device == "cuda" else "three"
+    if t not in TOPOLOGIES:
+        raise ValueError(f"serving topology must be auto, three or duplex, got {t!r}")
+    return t
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -87,44 +113,54 @@ class Load:
         return len(self.keys) * len(self.layers)
 
 
-def trace_loads(o: BenchOptions, src_layout: LayoutSpec) -> list[Load]:
-    """The seed-shaped trace as loads, each from a random source (seeded)."""
-    rng = random.Random(o.seed + 11)
+def trace_loads(o: BenchOptions, src_layout: LayoutSpec, sources: Sequence[int] = SOURCES,
+                seed: int | None = None) -> list[Load]:
+    """The seed-shaped trace as loads, each from a random one of ``sources`` (seeded by
+    ``seed``, default ``o.seed``: the trace's sizes and order and the keys chosen)."""
+    seed = o.seed if seed is None else seed
+    rng = random.Random(seed + 11)
     out = []
-    for b in make_trace(o.trace_batches, o.trace_large, src_layout, o.full_bytes, o.small_bytes, o.seed):
+    for b in make_trace(o.trace_batches, o.trace_large, src_layout, o.full_bytes, o.small_bytes, seed):
         layers = range(src_layout.layers) if b.large else sorted(rng.sample(range(src_layout.layers),
                                                                              b.layers))
-        out.append(Load(rng.choice(SOURCES), tuple(rng.sample(range(src_layout.num_slots), b.keys)),
+        out.append(Load(rng.choice(sources), tuple(rng.sample(range(src_layout.num_slots), b.keys)),
                         tuple(layers), b.large))
     return out
 
 
-def large_stream(n: int, src_layout: LayoutSpec) -> list[Load]:
+def large_stream(n: int, src_layout: LayoutSpec, sources: Sequence[int] = SOURCES) -> list[Load]:
     """``n`` full-slab loads (every published block x every layer), sources alternating."""
     keys = tuple(range(src_layout.num_slots // 2))
-    return [Load(SOURCES[i % 2], keys, tuple(range(src_layout.layers)), True) for i in range(n)]
+    return [Load(sources[i % len(sources)], keys, tuple(range(src_layout.layers)), True) for i in range(n)]
 
 
-def phase_loads(o: BenchOptions, src_layout: LayoutSpec) -> dict[str, list[Load]]:
+def phase_loads(o: BenchOptions, src_layout: LayoutSpec, sources: Sequence[int] = SOURCES,
+                seed: int | None = None) -> dict[str, list[Load]]:
     """The loads of each phase, in the order they run (the same for every K)."""
-    mixed = trace_loads(o, src_layout)
+    mixed = trace_loads(o, src_layout, sources, seed)
     small = [x for x in mixed if not x.large]
-    stream = large_stream(16 if o.quick else 32, src_layout)
+    stream = large_stream(16 if o.quick else 32, src_layout, sources)
     # warm-up: a whole round of large loads in flight at once (every slab takes a full
-    # copy from both sources), then the start of the trace and a round of small loads
+    # copy from every source), then the start of the trace and a round of small loads
     warm = stream[:CONCURRENCY] + mixed[: 2 * CONCURRENCY] + small[:CONCURRENCY]
     return {"warm": warm, "unloaded": small, "mixed": mixed, "concurrent_small": small,
             "large_stream": stream}
+
+
+def duplex_phases(o: BenchOptions, src_layout: LayoutSpec) -> tuple[dict[str, list[Load]], dict[str, list[Load]]]:
+    """Duplex: rank 0's phases (the trace of ``o.seed``, from rank 1) and rank 1's mirrored
+    phases (the trace of ``o.seed + 1``: same counts, its own sizes and keys, from rank 0)."""
+    return phase_loads(o, src_layout, (1,)), phase_loads(o, src_layout, (0,), o.seed + 1)
 
 
 def slots_needed(loads: Sequence[Load]) -> int:
     return sum(len(x.keys) for x in loads)
 
 
-def requests_for(loads: Sequence[Load]) -> list[Request]:
-    """One request per load, each into its own destination slots (consecutive from 0), so
-    loads in flight never share a slot and every slot's final bytes are known."""
-    out, slot = [], 0
+def requests_for(loads: Sequence[Load], base: int = 0) -> list[Request]:
+    """One request per load, each into its own destination slots (consecutive from
+    ``base``), so loads in flight never share a slot and every slot's final bytes are known."""
+    out, slot = [], base
     for x in loads:
         dests = dict(zip(x.keys, range(slot, slot + len(x.keys))))
         slot += len(x.keys)
@@ -132,44 +168,11 @@ def requests_for(loads: Sequence[Load]) -> list[Request]:
     return out
 
 
-def check_phase(caches: Mapping[Any, torch.Tensor], requests: Sequence[Request],
-                expected: dict[int, dict[int, torch.Tensor]]) -> int:
-    """Every block of every request against the source's known bytes, one comparison per
-    (request, layer), so the temporaries stay under one batch; on a mismatch, the first
-    wrong block is named (:func:`check_loaded`). Returns the number of blocks checked."""
-    n = 0
-    for req in requests:
-        for src, layers in req.items():
-            for layer, blocks in layers.items():
-                cache = caches[layer]
-                got = cache[torch.tensor(list(blocks.values()), device=cache.device)].cpu()
-                want = expected[src][layer][torch.tensor(list(blocks))]
-                if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
-                    check_loaded(caches, req, expected)
-                    raise AssertionError(f"blocks from rank {src} layer {layer} differ")  # pragma: no cover
-                n += len(blocks)
-    return n
+#: every block of every request against the source's bytes (raises naming the first wrong one)
+check_phase = check_requests
 
-
-async def replay(ep: Endpoint, requests: Sequence[Request], concurrency: int,
-                 ) -> tuple[list[float], float]:
-    """Run the requests with ``concurrency`` workers taking them in order; per-load seconds
-    (in request order) and the wall time of the whole phase."""
-    lat = [0.0] * len(requests)
-    todo = iter(range(len(requests)))
-    perf = time.perf_counter
-
-    async def worker() -> None:
-        for i in todo:
-            t = perf()
-            await ep.load(requests[i])
-            lat[i] = perf() - t
-
-    t0 = perf()
-    async with anyio.create_task_group() as tg:
-        for _ in range(min(concurrency, len(requests))):
-            tg.start_soon(worker)
-    return lat, perf() - t0
+#: the requests with ``concurrency`` workers; per-load seconds and the wall time
+replay = replay_loads
 
 
 def percentiles(samples: Sequence[float]) -> dict[str, float]:
@@ -184,7 +187,7 @@ def percentiles(samples: Sequence[float]) -> dict[str, float]:
 # -- one run (one K) ----------------------------------------------------------------------------
 @asynccontextmanager
 async def sources(specs: Sequence[PeerSpec]) -> AsyncIterator[list[PeerProcess]]:
-    """Start the source processes together; close every one that started."""
+    """Start the peer processes together; close every one that started."""
     started: list[PeerProcess] = []
 
     async def start(spec: PeerSpec) -> None:
@@ -200,88 +203,165 @@ async def sources(specs: Sequence[PeerSpec]) -> AsyncIterator[list[PeerProcess]]
             await anyio.to_thread.run_sync(p.close)
 
 
+async def _peer_call(p: PeerProcess, cmd: str, arg: Any = None) -> Any:
+    return await anyio.to_thread.run_sync(functools.partial(p.call, cmd, arg, PEER_TIMEOUT))
+
+
 class Phases:
-    """Run phases on one loader endpoint, checking each phase's bytes afterwards."""
+    """Run phases on this endpoint (loads into slots ``base`` and up), checking each
+    phase's bytes afterwards, then zeroing those slots so a later check cannot pass on
+    them. With a ``peer`` (duplex), the peer process replays its own loads at the same
+    time (``replay``) and checks them afterwards (``check_replay``)."""
 
-    def __init__(self, ep: Endpoint, expected: dict[int, dict[int, torch.Tensor]]) -> None:
-        self.ep, self.expected = ep, expected
+    def __init__(self, ep: Endpoint, expected: dict[int, dict[int, torch.Tensor]], base: int = 0,
+                 peer: PeerProcess | None = None) -> None:
+        self.ep, self.expected, self.base, self.peer = ep, expected, base, peer
         self.blocks_checked = self.loads_checked = 0
+        self.peer_checked = {"loads": 0, "blocks": 0}
 
-    async def run(self, loads: Sequence[Load], concurrency: int) -> tuple[list[float], float]:
-        for t in self.ep.caches.values():
-            t.zero_()  # a check cannot pass on bytes of an earlier phase
-        reqs = requests_for(loads)
-        lat, wall = await replay(self.ep, reqs, concurrency)
+    async def run(self, loads: Sequence[Load], concurrency: int,
+                  peer_loads: Sequence[Load] | None = None) -> tuple[Timing, Timing | None]:
+        """This side's timing and (with ``peer_loads``) the peer's, both sides' loads in
+        flight at once; an empty ``loads`` runs the peer's alone."""
+        reqs = requests_for(loads, self.base)
+        theirs: list[Timing] = []
+
+        async def peer_side(p: PeerProcess, requests: list[Request]) -> None:
+            r = await _peer_call(p, "replay", {"requests": requests, "concurrency": concurrency})
+            theirs.append((r["latencies"], r["wall"]))
+
+        async with anyio.create_task_group() as tg:
+            if peer_loads is not None:
+                assert self.peer is not None, "peer loads need a peer"
+                # the same destination layout on the peer: its loads land from ``base`` up
+                tg.start_soon(peer_side, self.peer, requests_for(peer_loads, self.base))
+            mine = await replay(self.ep, reqs, concurrency) if reqs else ([], 0.0)
         self.blocks_checked += check_phase(self.ep.caches, reqs, self.expected)
         self.loads_checked += len(reqs)
-        return lat, wall
+        for t in self.ep.caches.values():
+            t[self.base:].zero_()
+        _sync(self.ep.caches)  # zeroed before the next phase's loads write there
+        if peer_loads is not None:
+            assert self.peer is not None
+            c = await _peer_call(self.peer, "check_replay")
+            self.peer_checked = {k: self.peer_checked[k] + c[k] for k in ("loads", "blocks")}
+        return mine, (theirs[0] if theirs else None)
 
 
-async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], src_layout: LayoutSpec,
-                device: str) -> dict[str, Any]:
-    """All phases with ``k`` slabs per endpoint (None: the engine's default)."""
-    # every (send slab, view, receive slab) is mapped as peers join, as a serving engine
-    # would configure it: registrations are then flat whatever pairs the traffic uses
-    base: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, map_eagerly=True)
-    cfg = config_for(k, **base)
-    cuda = device == "cuda"
-    specs = [PeerSpec(rank=r, layout=src_layout, seed=o.seed, device="cuda:1" if cuda else "cpu",
-                      config=config_kwargs(k, **base), hello_extras={RAW_COPIES: True},
-                      torch_threads=None if cuda else 1) for r in SOURCES]
-    mixed, stream, conc = phases["mixed"], phases["large_stream"], phases["concurrent_small"]
-    loader_layout = LayoutSpec(layers=src_layout.layers, block_shape=src_layout.block_shape,
-                               dtype=src_layout.dtype,
-                               num_slots=max(slots_needed(p) for p in phases.values()))
-    expected = {r: pattern_caches(src_layout, r, o.seed) for r in SOURCES}
-    caches = zero_caches(loader_layout, "cuda:0" if cuda else "cpu")
-    from ..transports.nixl import NixlTransport
-    async with sources(specs) as peers:
-        async with Endpoint(0, caches, NixlTransport(), cfg) as ep:
-            for p in peers:
-                await ep.connect(p.address)
-            floor = stats(raw_floor(ep, SOURCES[0], o.full_bytes, 20 if o.quick else 50))
-            ph = Phases(ep, expected)
-            await ph.run(phases["warm"], CONCURRENCY)
-            pids = {"loader": os.getpid(), **{f"source{p.spec.rank}": p.proc.pid for p in peers}}
+def _sync(caches: Any) -> None:
+    """On CUDA, wait for the caches' device (work queued on its current stream)."""
+    for device in {t.device for t in caches.values() if t.is_cuda}:
+        torch.cuda.synchronize(device)
 
-            async def registrations() -> dict[str, int]:
-                out = {"loader": ep.snapshot_metrics()["registrations"]}
-                for p in peers:
-                    m = await anyio.to_thread.run_sync(p.call, "metrics")
-                    out[f"source{p.spec.rank}"] = m["registrations"]
-                return out
 
-            regs0, mem0 = await registrations(), _sample(pids)
-            unloaded, _ = await ph.run(phases["unloaded"], 1)
-            mixed_lat, mixed_wall = await ph.run(mixed, CONCURRENCY)
-            _, small_wall = await ph.run(conc, CONCURRENCY)
-            _, stream_wall = await ph.run(stream, CONCURRENCY)
-            regs1, mem1 = await registrations(), _sample(pids)
-    useful = _useful(mixed, src_layout)
-    stream_useful = _useful(stream, src_layout)
-    full_rate = o.full_bytes / (floor["median_us"] * 1e-6)
+def side_figures(ph: dict[str, list[Load]], t: dict[str, Timing], layout: LayoutSpec) -> dict[str, Any]:
+    """One loading side's latencies and rates from its phases' timings."""
+    mixed, stream, conc = ph["mixed"], ph["large_stream"], ph["concurrent_small"]
+    (unloaded, _), (mixed_lat, mixed_wall) = t["unloaded"], t["mixed"]
+    small_wall, stream_wall = t["concurrent_small"][1], t["large_stream"][1]
+    useful, stream_useful = _useful(mixed, layout), _useful(stream, layout)
     unloaded_small = percentiles(unloaded)
-    mixed_small = percentiles([t for t, x in zip(mixed_lat, mixed) if not x.large])
+    mixed_small = percentiles([s for s, x in zip(mixed_lat, mixed) if not x.large])
     return {
-        **slab_counts(cfg),
-        "raw_full_copy": {**floor, "gbps": full_rate / 1e9},
         "unloaded_small": unloaded_small,
         "mixed": {"loads": len(mixed), "useful_bytes": useful, "seconds": mixed_wall,
                   "useful_gbps": useful / mixed_wall / 1e9, "loads_per_s": len(mixed) / mixed_wall,
                   "small": mixed_small,
-                  "large": percentiles([t for t, x in zip(mixed_lat, mixed) if x.large])},
+                  "large": percentiles([s for s, x in zip(mixed_lat, mixed) if x.large])},
         "small_p99_mixed_over_unloaded_p50": mixed_small["p99_us"] / unloaded_small["p50_us"],
         "concurrent_small": {"loads": len(conc), "seconds": small_wall,
                              "loads_per_s": len(conc) / small_wall},
         "large_stream": {"loads": len(stream), "useful_bytes": stream_useful, "seconds": stream_wall,
-                         "useful_gbps": stream_useful / stream_wall / 1e9,
-                         "vs_raw_full_copy": stream_useful / stream_wall / full_rate},
+                         "useful_gbps": stream_useful / stream_wall / 1e9},
+    }
+
+
+async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], src_layout: LayoutSpec,
+                device: str, peer_phases: dict[str, list[Load]] | None = None) -> dict[str, Any]:
+    """All phases with ``k`` slabs per endpoint (None: the engine's default). Without
+    ``peer_phases``: the three-process topology; with them: duplex, rank 1 replaying them."""
+    # every (send slab, view, receive slab) is mapped as peers join, as a serving engine
+    # would configure it: registrations are then flat whatever pairs the traffic uses
+    base: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, map_eagerly=True)
+    cfg = config_for(k, **base)
+    cuda, duplex = device == "cuda", peer_phases is not None
+    published = src_layout.num_slots
+    dest = max(slots_needed(p) for p in [*phases.values(), *(peer_phases or {}).values()])
+    ranks, dest_base = ((1,), published) if duplex else (SOURCES, 0)
+    layout = replace(src_layout, num_slots=dest_base + dest)
+    specs = [PeerSpec(rank=r, layout=layout if duplex else src_layout, seed=o.seed,
+                      device="cuda:1" if cuda else "cpu", config=config_kwargs(k, **base),
+                      hello_extras={RAW_COPIES: True}, torch_threads=None if cuda else 1,
+                      published=published if duplex else None) for r in ranks]
+    expected = {r: pattern_caches(src_layout, r, o.seed) for r in ranks}
+    here = "cuda:0" if cuda else "cpu"
+    caches = split_caches(layout, published, 0, o.seed, here) if duplex else zero_caches(layout, here)
+    from ..transports.nixl import NixlTransport
+    async with sources(specs) as peers:
+        async with Endpoint(0, caches, NixlTransport(), cfg) as ep:
+            if duplex:
+                for slot in range(published):
+                    ep.publish(slot, slot)
+            for p in peers:
+                await ep.connect(p.address)
+            if duplex:  # rank 1 loads from rank 0 only once it knows rank 0
+                with anyio.fail_after(30):
+                    while 0 not in await _peer_call(peers[0], "peers"):
+                        await anyio.sleep(0.01)
+            floor = stats(raw_floor(ep, ranks[0], o.full_bytes, 20 if o.quick else 50))
+            ph = Phases(ep, expected, dest_base, peers[0] if duplex else None)
+            names = {0: "rank0" if duplex else "loader",
+                     **{p.spec.rank: f"rank{p.spec.rank}" if duplex else f"source{p.spec.rank}" for p in peers}}
+            pids = {names[0]: os.getpid(), **{names[p.spec.rank]: p.proc.pid for p in peers}}
+
+            async def registrations() -> dict[str, int]:
+                out = {names[0]: ep.snapshot_metrics()["registrations"]}
+                for p in peers:
+                    out[names[p.spec.rank]] = (await _peer_call(p, "metrics"))["registrations"]
+                return out
+
+            def rss() -> dict[str, int]:
+                return {name: _rss_kib(pid) for name, pid in pids.items()}
+
+            def theirs(name: str) -> list[Load] | None:
+                return None if peer_phases is None else peer_phases[name]
+
+            mine: dict[str, Timing] = {}
+            peer_t: dict[str, Timing] = {}
+            await ph.run(phases["warm"], CONCURRENCY, theirs("warm"))
+            regs0, mem0 = await registrations(), rss()
+            mine["unloaded"], _ = await ph.run(phases["unloaded"], 1)
+            if duplex:  # rank 1's unloaded latencies: its loads alone, one at a time
+                _, pt = await ph.run([], 1, theirs("unloaded"))
+                assert pt is not None
+                peer_t["unloaded"] = pt
+            for name in ("mixed", "concurrent_small", "large_stream"):
+                mine[name], pt = await ph.run(phases[name], CONCURRENCY, theirs(name))
+                if pt is not None:
+                    peer_t[name] = pt
+            regs1, mem1 = await registrations(), rss()
+    full_rate = o.full_bytes / (floor["median_us"] * 1e-6)
+    out = {**slab_counts(cfg), "topology": "duplex" if duplex else "three",
+           "raw_full_copy": {**floor, "gbps": full_rate / 1e9},
+           **side_figures(phases, mine, src_layout)}
+    ls = out["large_stream"]
+    ls["vs_raw_full_copy"] = ls["useful_bytes"] / ls["seconds"] / full_rate
+    out.update({
         "registrations_after_warmup": {name: regs1[name] - regs0[name] for name in regs0},
-        "rss_growth_bytes": {name: (mem1[name]["rss_kib"] - mem0[name]["rss_kib"]) * 1024 for name in pids},
-        "loader_slots": loader_layout.num_slots,
+        "rss_growth_bytes": {name: (mem1[name] - mem0[name]) * 1024 for name in pids},
+        "loader_slots": dest,
         # check_phase raises on a wrong byte: reaching here means every block matched
         "bytes_checked": {"loads": ph.loads_checked, "blocks": ph.blocks_checked, "ok": True},
-    }
+    })
+    if peer_phases is not None:
+        peer = side_figures(peer_phases, peer_t, src_layout)
+        peer["bytes_checked"] = {**ph.peer_checked, "ok": True}  # check_replay raises on a wrong byte
+        out["peer"] = peer
+        # both directions at once: the useful bytes of both sides over the longer side's time
+        out["both_directions"] = {
+            f"{name}_useful_gbps": (out[name]["useful_bytes"] + peer[name]["useful_bytes"])
+            / max(out[name]["seconds"], peer[name]["seconds"]) / 1e9 for name in ("mixed", "large_stream")}
+    return out
 
 
 def _useful(loads: Sequence[Load], layout: LayoutSpec) -> int:
@@ -292,18 +372,20 @@ def _useful(loads: Sequence[Load], layout: LayoutSpec) -> int:
 async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The section: K=1 and the default K side by side, with the issue's targets."""
     if o.transport != "nixl":
-        return {"skipped": "the serving section runs three processes over NIXL (--transport nixl)"}
+        return {"skipped": "the serving section runs two or three processes over NIXL (--transport nixl)"}
     device = o.resolved_device()
+    topology = resolve_topology(o, device)
     src_layout = bench_layout(o.full_bytes)
-    phases = phase_loads(o, src_layout)
+    phases, peer_phases = (duplex_phases(o, src_layout) if topology == "duplex"
+                           else (phase_loads(o, src_layout), None))
     mixed = phases["mixed"]
     default_k = slab_counts(config_for(None, full_bytes=o.full_bytes, small_bytes=o.small_bytes))
     runs = {}
     for name, k in (("k1", 1), ("default", None)):
         report(f"serving {name}")
-        runs[name] = await run_k(o, k, phases, src_layout, device)
+        runs[name] = await run_k(o, k, phases, src_layout, device, peer_phases)
     out: dict[str, Any] = {
-        "concurrency": CONCURRENCY, "device": device,
+        "concurrency": CONCURRENCY, "device": device, "topology": topology,
         "default_slabs": default_k,
         "trace": {"loads": len(mixed), "large": sum(x.large for x in mixed),
                   "useful_bytes": _useful(mixed, src_layout), "block_bytes": src_layout.block_nbytes,
@@ -328,7 +410,10 @@ def serving_targets(s: dict[str, Any], full_bytes: int) -> dict[str, dict[str, A
         # flat: less than one full slab over all phases, in every process
         "serving_rss_growth_bytes": target(max(v for r in runs for v in r["rss_growth_bytes"].values()),
                                            full_bytes),
-        "serving_bytes_checked": target(sum(r["bytes_checked"]["blocks"] for r in runs), 1, le=False),
+        # every block checked, on both sides in duplex
+        "serving_bytes_checked": target(sum(r["bytes_checked"]["blocks"]
+                                            + r.get("peer", {}).get("bytes_checked", {}).get("blocks", 0)
+                                            for r in runs), 1, le=False),
     }
 
 
@@ -362,9 +447,28 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
         row("max RSS growth (KiB)", lambda r: max(r["rss_growth_bytes"].values()) / 1024, "{:.0f}"),
         row("blocks checked", lambda r: r["bytes_checked"]["blocks"], "{}"),
     ]
+    duplex = s.get("topology") == "duplex"
+    if duplex:  # rank 1's own loads, run at the same time as rank 0's
+        rows += [
+            row("rank 1: small p50 unloaded (us)", lambda r: r["peer"]["unloaded_small"]["p50_us"]),
+            row("rank 1: small p99 mixed (us)", lambda r: r["peer"]["mixed"]["small"]["p99_us"]),
+            row("rank 1: small p99 mixed / p50 unloaded",
+                lambda r: r["peer"]["small_p99_mixed_over_unloaded_p50"], "{:.2f}"),
+            row("rank 1: mixed useful GB/s", lambda r: r["peer"]["mixed"]["useful_gbps"], "{:.3f}"),
+            row(f"rank 1: {s['concurrency']} concurrent small: loads/s",
+                lambda r: r["peer"]["concurrent_small"]["loads_per_s"], "{:.0f}"),
+            row("rank 1: large stream useful GB/s", lambda r: r["peer"]["large_stream"]["useful_gbps"], "{:.3f}"),
+            row("rank 1: blocks checked", lambda r: r["peer"]["bytes_checked"]["blocks"], "{}"),
+            row("both directions: mixed useful GB/s", lambda r: r["both_directions"]["mixed_useful_gbps"],
+                "{:.3f}"),
+            row("both directions: large stream GB/s",
+                lambda r: r["both_directions"]["large_stream_useful_gbps"], "{:.3f}"),
+        ]
     t = s["trace"]
-    title = (f"Serving load: {t['loads']} loads ({t['large']} large, {t['useful_bytes'] / 1e6:.1f} MB) from "
-             f"2 sources, {s['concurrency']} in flight, {s['device']}; K=1 vs default K "
+    where = ("duplex: rank 0 loads from rank 1 while rank 1 loads from rank 0 (a mirrored trace)"
+             if duplex else "from 2 sources")
+    title = (f"Serving load: {t['loads']} loads ({t['large']} large, {t['useful_bytes'] / 1e6:.1f} MB) {where}, "
+             f"{s['concurrency']} in flight, {s['device']}; K=1 vs default K "
              f"(receive/send slabs {d['receive_slabs']}/{d['send_slabs']})")
     target_rows = [[k, f"{v['value']:.3g}", f"{'<=' if k not in _AT_LEAST else '>='} {v['limit']:.3g}",
                     "met" if v["met"] else "MISSED"] for k, v in s["targets"].items()]
@@ -393,9 +497,11 @@ def plot_serving(ax: Any, s: dict[str, Any]) -> None:
     ax.set_xticks(x, labels)
     ax.set_yscale("log")
     ax.set_ylabel("small load latency (us, log)")
-    ax.set_title(f"Small loads, unloaded vs mixed trace ({s['concurrency']} in flight)")
+    who = ", duplex: rank 0's loads" if s.get("topology") == "duplex" else ""
+    ax.set_title(f"Small loads, unloaded vs mixed trace ({s['concurrency']} in flight{who})")
     ax.legend()
 
 
 __all__ = ["serving", "serving_targets", "serving_tables", "plot_serving", "config_for", "config_kwargs",
-           "slab_counts", "phase_loads", "check_phase", "requests_for", "CONCURRENCY"]
+           "slab_counts", "phase_loads", "duplex_phases", "check_phase", "requests_for", "resolve_topology",
+           "CONCURRENCY", "TOPOLOGIES"]

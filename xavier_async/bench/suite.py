@@ -19,8 +19,9 @@ the default) or in this process (``--transport local``). Sections:
   loads (host: Python objects retained and RSS; device: the CUDA allocator);
 * packed path vs descriptor path per batch shape (:mod:`.descriptors`, raw NIXL between
   two processes, after the rig is closed), and the rule the figures support.
-* serving load (:mod:`.serving`): two source processes and this loader, the trace
-  replayed with 16 loads in flight, one receive/send slab vs the engine's default.
+* serving load (:mod:`.serving`): two source processes and this loader (DRAM), or two
+  endpoints that both load and serve (the GPU pair), the trace replayed with 16 loads in
+  flight, one receive/send slab vs the engine's default.
 
 Times are medians (and p95) of per-operation wall time; every comparison is a ratio.
 """
@@ -85,14 +86,19 @@ class BenchOptions:
     #: also run the seed's four cases through an anchor (``"xoscar"``: xoscar's copy_to
     #: over NIXL, two processes; needs ``pip install 'xavier-async[xoscar]'``)
     compare: str | None = None
-    #: the serving-load section (two sources, one loader, 16 loads in flight; NIXL only)
+    #: the serving-load section (16 loads in flight; NIXL only)
     serving: bool = True
+    #: its topology: ``three`` (a loader and two sources), ``duplex`` (two endpoints that
+    #: both load and serve), ``auto`` (duplex on CUDA, three on the CPU)
+    serving_topology: str = "auto"
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):
             raise ValueError(f"transport must be 'nixl' or 'local', got {self.transport!r}")
         if self.compare not in (None, "xoscar"):
             raise ValueError(f"compare must be None or 'xoscar', got {self.compare!r}")
+        if self.serving_topology not in ("auto", "three", "duplex"):
+            raise ValueError(f"serving_topology must be auto, three or duplex, got {self.serving_topology!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         for name in ("full_bytes", "small_bytes", "copies", "warmup", "loads", "trace_batches",

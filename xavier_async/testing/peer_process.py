@@ -2,15 +2,19 @@
 
 The child's caches are filled from a seed, so the parent can compute what every block
 must contain (:func:`pattern_caches`) and check the bytes it loaded, and the child can
-check what it loaded from the parent the same way.
+check what it loaded from the parent the same way. With ``PeerSpec.published`` only the
+low slots hold the pattern (and are published); the slots above are the destination of
+the child's own loads, e.g. a whole trace run by the ``replay`` command with many loads
+in flight while the child serves (the serving bench's duplex topology).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -85,6 +89,60 @@ def check_loaded(caches: Mapping[Any, torch.Tensor], request: Mapping[int, Any],
     return n
 
 
+def check_requests(caches: Mapping[Any, torch.Tensor], requests: Sequence[Mapping[int, Any]],
+                   expected: Mapping[int, Mapping[Any, torch.Tensor]]) -> int:
+    """Every block of every request (one slot per key) against the sources' known bytes,
+    one comparison per (request, layer), so the temporaries stay under one batch; on a
+    mismatch, the first wrong block is named (:func:`check_loaded`). Returns the number of
+    blocks checked."""
+    n = 0
+    for req in requests:
+        for src, layers in req.items():
+            for layer, blocks in layers.items():
+                cache = caches[layer]
+                got = cache[torch.tensor(list(blocks.values()), device=cache.device)].cpu()
+                want = expected[src][layer][torch.tensor(list(blocks))]
+                if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+                    check_loaded(caches, req, expected)
+                    raise AssertionError(f"blocks from rank {src} layer {layer} differ")  # pragma: no cover
+                n += len(blocks)
+    return n
+
+
+async def replay_loads(ep: Any, requests: Sequence[Any], concurrency: int) -> tuple[list[float], float]:
+    """Run the requests on ``ep`` (an :class:`~xavier_async.Endpoint`) with ``concurrency``
+    workers taking them in order; per-load seconds (in request order) and the wall time."""
+    import anyio
+
+    lat = [0.0] * len(requests)
+    todo = iter(range(len(requests)))
+    perf = time.perf_counter
+
+    async def worker() -> None:
+        for i in todo:
+            t = perf()
+            await ep.load(requests[i])
+            lat[i] = perf() - t
+
+    t0 = perf()
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(concurrency, len(requests))):
+            tg.start_soon(worker)
+    return lat, perf() - t0
+
+
+def split_caches(spec: LayoutSpec, published: int, rank: int, seed: int, device: str | torch.device = "cpu",
+                 ) -> dict[int, torch.Tensor]:
+    """Caches of ``spec.num_slots`` slots: the low ``published`` hold
+    ``pattern_caches(spec with num_slots=published, rank, seed)``, the rest are zeros."""
+    if not 0 < published <= spec.num_slots:
+        raise ValueError(f"published must be in 1..{spec.num_slots}, got {published}")
+    caches = zero_caches(spec, device)
+    for layer, t in pattern_caches(replace(spec, num_slots=published), rank, seed, device).items():
+        caches[layer][:published].copy_(t)
+    return caches
+
+
 def digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (copied to the host)."""
     import hashlib
@@ -122,6 +180,9 @@ class PeerSpec:
     hello_extras: dict[str, Any] = field(default_factory=dict)
     #: a :class:`FaultPlan`'s fields: wrap the child's transport in a FaultyTransport
     faults: dict[str, Any] | None = None
+    #: only the low ``published`` slots hold the pattern and are published; the slots
+    #: above are zeros, the destination of ``replay`` (None: every slot, no replay)
+    published: int | None = None
 
 
 def _child(conn: Any, spec_d: dict[str, Any]) -> None:
@@ -146,7 +207,9 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
         torch.cuda.set_device(torch.device(spec.device))
 
     async def main() -> None:
-        caches = pattern_caches(spec.layout, spec.rank, spec.seed, spec.device)
+        published = spec.layout.num_slots if spec.published is None else spec.published
+        caches = (pattern_caches(spec.layout, spec.rank, spec.seed, spec.device) if spec.published is None
+                  else split_caches(spec.layout, published, spec.rank, spec.seed, spec.device))
         transport: Any = NixlTransport(**spec.transport)
         if spec.faults:
             from .faulty import FaultPlan, FaultyTransport
@@ -154,7 +217,7 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
         ep = Endpoint(spec.rank, caches, transport, EndpointConfig(**spec.config))
         ep._hello_extras.update(spec.hello_extras)
         async with ep:
-            for slot in range(spec.layout.num_slots):
+            for slot in range(published):
                 ep.publish(slot, slot)
             conn.send(("ok", ep.address))
 
@@ -175,9 +238,43 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
             async def metrics(_: Any) -> dict[str, Any]:
                 return ep.snapshot_metrics()
 
+            # the requests of the last replay, checked (then their slots zeroed) by check_replay
+            replayed: list[Any] = []
+            expected: dict[int, dict[int, torch.Tensor]] = {}
+
+            async def replay(arg: Any) -> dict[str, Any]:
+                """``{"requests": [...], "concurrency": n}``: loads into slots >= published,
+                ``n`` in flight; per-load seconds and the wall time. Bytes: check_replay."""
+                if spec.published is None:
+                    raise ValueError("replay needs PeerSpec.published (a destination region)")
+                requests = arg["requests"]
+                for req in requests:
+                    for layers in req.values():
+                        for blocks in layers.values():
+                            if min(blocks.values()) < published:
+                                raise ValueError("replay loads only into slots >= published")
+                replayed[:] = requests
+                lat, wall = await replay_loads(ep, requests, int(arg["concurrency"]))
+                return {"latencies": lat, "wall": wall}
+
+            async def check_replay(_: Any) -> dict[str, int]:
+                """Check every block of the last replay against its source's pattern (the
+                sources' published layout is this one's), then zero the destination slots."""
+                for src in {s for req in replayed for s in req}:
+                    if src not in expected:
+                        expected[src] = pattern_caches(replace(spec.layout, num_slots=published), src, spec.seed)
+                blocks = check_requests(caches, replayed, expected)
+                for t in caches.values():
+                    t[published:].zero_()
+                if spec.device.startswith("cuda"):  # zeroed before the next replay writes there
+                    torch.cuda.synchronize(torch.device(spec.device))
+                n, replayed[:] = len(replayed), []
+                return {"loads": n, "blocks": blocks}
+
             await serve_commands(conn, {"connect": ep.connect, "load": load,
                                         "recv_digest": recv_digest, "peers": peers,
-                                        "metrics": metrics})
+                                        "metrics": metrics, "replay": replay,
+                                        "check_replay": check_replay})
 
     try:
         anyio.run(main)
