@@ -60,6 +60,9 @@ from .transports.local import LocalTransport
 
 log = logging.getLogger("xavier_async")
 
+#: how long a receiver spins on a CUDA unpack's event before polling it from the event loop
+_UNPACK_SPIN_NS = 30_000
+
 #: how many forks this process descends from (a forked child sees a new value without a
 #: getpid() system call on every load)
 _forks = 0
@@ -781,8 +784,9 @@ class Endpoint:
         # one pass (memmoves on the CPU, one fused launch on CUDA). This receive slab is
         # lent again only after its unpack has run (_recv_slab_free). Stream-ordered: only
         # enqueued, and the caches' current stream waits on its event. Otherwise its event
-        # is polled, shielded (the slots are being written whatever happens), so that other
-        # loads progress while the device copies instead of the event loop blocking
+        # is spun on briefly (a small unpack is done within that), then polled, shielded
+        # (the slots are being written whatever happens), so that other loads progress
+        # while the device copies a large batch instead of the event loop blocking
         event = unpack(self._recv_rows[slab.index], batch, self._cache_table, self._device_runs,
                        wait=False)
         if event is None:
@@ -791,9 +795,13 @@ class Endpoint:
         if self.config.stream_ordered_unpack:
             torch.cuda.current_stream(self.layout.device).wait_event(event)
             return
-        with anyio.CancelScope(shield=True):
-            while not event.query():
-                await anyio.lowlevel.checkpoint()
+        until = perf_counter_ns() + _UNPACK_SPIN_NS  # a small unpack is done by then
+        while not event.query():
+            if perf_counter_ns() > until:
+                with anyio.CancelScope(shield=True):
+                    while not event.query():
+                        await anyio.lowlevel.checkpoint()
+                break
         self._unpacked.pop(slab.index, None)
 
     def _recv_slab_free(self, slab: Slab) -> None:
