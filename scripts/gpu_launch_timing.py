@@ -144,7 +144,7 @@ def main():
             print("  direct launch bytes ok", check())
             print(f"  direct launch: {med(direct_launch):.1f} us")
 
-            def fast_unpack():
+            def fast_unpack(spin: bool = False) -> None:
                 tb = packing.unpack_table(slab.ptr, b, dst_t)
                 n = len(tb[0])
                 pn[:n, 0] = tb[1]
@@ -155,25 +155,15 @@ def main():
                 e = events[st["i"] % 4]
                 st["i"] += 1
                 e.record(stream)
-                e.synchronize()
+                if spin:
+                    while not e.query():
+                        pass
+                else:
+                    e.synchronize()
             fast_unpack()
             print("  fast unpack bytes ok", check())
             print(f"fast unpack (table + numpy fill + direct launch + event + sync): {med(fast_unpack):.1f} us")
-
-            def fast_unpack_spin():
-                tb = packing.unpack_table(slab.ptr, b, dst_t)
-                n = len(tb[0])
-                pn[:n, 0] = tb[1]
-                pn[:n, 1] = tb[0]
-                pn[:n, 2] = tb[2]
-                k.run(n, 1, 1, sh, k.function, k.packed_metadata, None, None, None,
-                      pinned, 65536, 1024, True)
-                e = events[st["i"] % 4]
-                st["i"] += 1
-                e.record(stream)
-                while not e.query():
-                    pass
-            print(f"fast unpack, spin on query: {med(fast_unpack_spin):.1f} us")
+            print(f"fast unpack, spin on query: {med(lambda: fast_unpack(True)):.1f} us")
         except Exception as exc:
             print("  direct launch FAILED", repr(exc)[:300])
     try:

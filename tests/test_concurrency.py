@@ -50,6 +50,20 @@ def check(dst, srcs, request: dict) -> None:
             assert_same_bytes(dst[0][slot], srcs[src][0][key])
 
 
+def cancellable(ep, request: dict):
+    """A load in a cancel scope of its own: (scope, outcome, the task to start); once
+    the task has returned, ``outcome["cancelled"]`` says whether the scope caught it."""
+    scope = anyio.CancelScope()
+    outcome: dict[str, bool] = {}
+
+    async def run() -> None:
+        with scope:
+            await ep.load(request)
+        outcome["cancelled"] = scope.cancelled_caught
+
+    return scope, outcome, run
+
+
 async def until(cond, what: str) -> None:
     """Yield to the other tasks until ``cond()`` holds (bounded; an ordering, not a timing)."""
     with anyio.fail_after(10):
@@ -260,13 +274,7 @@ async def test_cancelling_a_load_that_waits_for_a_slab_takes_nothing():
         publish(b)
         b.transport.hold_next_writes(2)
         rs = [req(1, [i], slot0=i) for i in range(2)]
-        scope = anyio.CancelScope()
-        outcome: dict[str, bool] = {}
-
-        async def waiting_load() -> None:
-            with scope:
-                await a.load(req(1, [9], slot0=20))
-            outcome["cancelled"] = scope.cancelled_caught
+        scope, outcome, waiting_load = cancellable(a, req(1, [9], slot0=20))
 
         async with anyio.create_task_group() as tg:
             for r in rs:
@@ -294,13 +302,7 @@ async def test_a_cancelled_load_keeps_its_slab_until_its_copy_is_terminal():
     async with cluster(cs, CFG, wrap={1: faulty()}) as (a, b):
         publish(b)
         b.transport.hold_next_writes(1)
-        scope = anyio.CancelScope()
-        outcome: dict[str, bool] = {}
-
-        async def cancelled_load() -> None:
-            with scope:
-                await a.load(req(1, [5], slot0=5))
-            outcome["cancelled"] = scope.cancelled_caught
+        scope, outcome, cancelled_load = cancellable(a, req(1, [5], slot0=5))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancelled_load)
