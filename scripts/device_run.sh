@@ -14,7 +14,7 @@ steps=${*:-tests kernels floor bench demo}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; nproc;
   python3 -c 'import torch, nixl, anyio, transformers; print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "anyio", anyio.__version__, "transformers", transformers.__version__)'; } 2>&1 | tee "$OUT/machine.txt"
 for step in $steps; do case $step in
-  tests) XAVIER_TEST_DEVICE=cuda NIXL_LOG_LEVEL=WARN timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nixl_process.py tests/test_concurrency.py -k 'nixl' 2>&1 | tail -15 | tee "$OUT/pytest_cuda.txt" ;;
+  tests) XAVIER_TEST_DEVICE=cuda NIXL_LOG_LEVEL=WARN timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nixl_process.py tests/test_concurrency_nixl.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda.txt" ;;
   kernels) { timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_packing.py -k fused_kernel_on_cuda 2>&1 | tail -5;
             timeout 200 python3 scripts/gpu_pack_timing.py 2>&1; timeout 200 python3 scripts/gpu_launch_timing.py 2>&1; } | tee "$OUT/kernels.txt" ;;
   floor) [ -f .whl/nixl_floor.py ] && NIXL_LOG_LEVEL=WARN timeout 120 python3 .whl/nixl_floor.py cuda 300 2>&1 | tee "$OUT/nixl_floor.txt" ;;
