@@ -130,7 +130,6 @@ def main():
         print("  kernel reading a pinned host table: FAILED", repr(exc)[:300])
         k = None
     if k is not None:
-        from triton.runtime import driver
         sh = stream.cuda_stream
         events = [torch.cuda.Event() for _ in range(4)]
         st = {"i": 0}
@@ -187,8 +186,6 @@ def main():
         print("  cupy FAILED", repr(exc)[:300])
     try:
         from cuda.bindings import driver as cu
-        srcs_ = [s for s, _, _ in rows]
-        dsts_ = [d for _, d, _ in rows]
 
         def memcpy_each():
             for s, d, n in rows:
