@@ -212,6 +212,20 @@ def test_serving_topology_option():
     assert build_parser().parse_args(["bench", "--serving-topology", "duplex"]).serving_topology == "duplex"
 
 
+def test_serving_slabs_option():
+    """--serving-slabs K: the slab count compared with K=1 (None: the engine's default);
+    anything but an int from 1 to 1024 is refused."""
+    assert BenchOptions().serving_slabs is None
+    assert BenchOptions(serving_slabs=8).serving_slabs == 8
+    for bad in (0, 1025, 2.0, "4", True):
+        with pytest.raises(ValueError, match="serving_slabs"):
+            BenchOptions(serving_slabs=bad)
+    assert build_parser().parse_args(["bench", "--serving-slabs", "8"]).serving_slabs == 8
+    assert build_parser().parse_args(["bench"]).serving_slabs is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--serving-slabs", "0"])
+
+
 @pytest.mark.asyncio
 async def test_peer_replay_checks_what_it_loaded():
     """The peer process's replay/check_replay (the duplex bench's rank 1): loads from this

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serving load between a loader and two sources (three processes) or two "
                         "endpoints that both load and serve (duplex); default: duplex on CUDA "
                         "(one process per GPU), three on the CPU")
+    b.add_argument("--serving-slabs", type=_positive, metavar="K", default=None,
+                   help="the receive/send slab count the serving section compares with K=1 "
+                        "(default: the engine's default)")
     b.add_argument("--soak", type=_positive, metavar="N",
                    help="instead of the sections: N loads over NIXL between processes with "
                         "injected faults, cancellations and a peer restart, every byte checked")
@@ -152,7 +155,8 @@ def _bench(args: argparse.Namespace) -> int:
                             alloc_copies=args.alloc_copies, alloc_loads=args.alloc_loads,
                             descriptors=args.descriptors, seed=args.seed, quick=args.quick,
                             pin_cpus=args.pin, compare=args.compare, serving=args.serving,
-                            serving_topology=args.serving_topology)
+                            serving_topology=args.serving_topology,
+                            serving_slabs=args.serving_slabs)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2

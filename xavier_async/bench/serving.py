@@ -370,7 +370,8 @@ def _useful(loads: Sequence[Load], layout: LayoutSpec) -> int:
 
 # -- the section --------------------------------------------------------------------------------
 async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """The section: K=1 and the default K side by side, with the issue's targets."""
+    """The section: K=1 and the default K (or ``o.serving_slabs``) side by side, with the
+    issue's targets."""
     if o.transport != "nixl":
         return {"skipped": "the serving section runs two or three processes over NIXL (--transport nixl)"}
     device = o.resolved_device()
@@ -379,14 +380,16 @@ async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: Non
     phases, peer_phases = (duplex_phases(o, src_layout) if topology == "duplex"
                            else (phase_loads(o, src_layout), None))
     mixed = phases["mixed"]
-    default_k = slab_counts(config_for(None, full_bytes=o.full_bytes, small_bytes=o.small_bytes))
+    default_k = slab_counts(config_for(o.serving_slabs, full_bytes=o.full_bytes,
+                                       small_bytes=o.small_bytes))
     runs = {}
-    for name, k in (("k1", 1), ("default", None)):
+    for name, k in (("k1", 1), ("default", o.serving_slabs)):
         report(f"serving {name}")
         runs[name] = await run_k(o, k, phases, src_layout, device, peer_phases)
     out: dict[str, Any] = {
         "concurrency": CONCURRENCY, "device": device, "topology": topology,
         "default_slabs": default_k,
+        "slabs_default": o.serving_slabs is None,
         "trace": {"loads": len(mixed), "large": sum(x.large for x in mixed),
                   "useful_bytes": _useful(mixed, src_layout), "block_bytes": src_layout.block_nbytes,
                   "layers": src_layout.layers},
@@ -468,8 +471,9 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
     where = ("duplex: rank 0 loads from rank 1 while rank 1 loads from rank 0 (a mirrored trace)"
              if duplex else "from 2 sources")
     title = (f"Serving load: {t['loads']} loads ({t['large']} large, {t['useful_bytes'] / 1e6:.1f} MB) {where}, "
-             f"{s['concurrency']} in flight, {s['device']}; K=1 vs default K "
-             f"(receive/send slabs {d['receive_slabs']}/{d['send_slabs']})")
+             f"{s['concurrency']} in flight, {s['device']}; K=1 vs K={d['receive_slabs']} "
+             f"(receive/send slabs {d['receive_slabs']}/{d['send_slabs']}"
+             f"{'' if s.get('slabs_default', True) else ', set by --serving-slabs'})")
     target_rows = [[k, f"{v['value']:.3g}", f"{'<=' if k not in _AT_LEAST else '>='} {v['limit']:.3g}",
                     "met" if v["met"] else "MISSED"] for k, v in s["targets"].items()]
     return [(title, rows, ["", "K=1", f"K={d['receive_slabs']}", "K / K=1"]),

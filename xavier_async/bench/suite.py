@@ -91,6 +91,8 @@ class BenchOptions:
     #: its topology: ``three`` (a loader and two sources), ``duplex`` (two endpoints that
     #: both load and serve), ``auto`` (duplex on CUDA, three on the CPU)
     serving_topology: str = "auto"
+    #: the slab count compared with K=1 (receive and send slabs; None: the engine's default)
+    serving_slabs: int | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):
@@ -99,6 +101,9 @@ class BenchOptions:
             raise ValueError(f"compare must be None or 'xoscar', got {self.compare!r}")
         if self.serving_topology not in ("auto", "three", "duplex"):
             raise ValueError(f"serving_topology must be auto, three or duplex, got {self.serving_topology!r}")
+        if self.serving_slabs is not None and (type(self.serving_slabs) is not int
+                                               or not 1 <= self.serving_slabs <= 1024):
+            raise ValueError(f"serving_slabs must be an int from 1 to 1024, got {self.serving_slabs!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         for name in ("full_bytes", "small_bytes", "copies", "warmup", "loads", "trace_batches",
