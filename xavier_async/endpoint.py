@@ -647,12 +647,10 @@ class Endpoint:
         try:
             if not ticket.granted and recv.short():
                 await self._add_recv_slab()  # joins the pool: granted to the first waiter
-            index = await ticket.wait()
         except BaseException:
             ticket.cancel()
             raise
-        ticket.keep()
-        return recv.slabs[index]
+        return recv.slabs[await ticket.take()]
 
     async def _add_recv_slab(self) -> None:
         """Allocate and register one more receive slab (replacing a fenced one)."""
@@ -1000,12 +998,7 @@ class Endpoint:
                 first = decide(load, self._published, ch.policy, ch.mapped_for(0))
                 if isinstance(first, Refuse):  # unknown keys: refused before anything else
                     raise first.error
-                try:
-                    send = await ticket.wait()
-                except BaseException:
-                    ticket.cancel()
-                    raise
-                ticket.keep()
+                send = await ticket.take()
                 self._stages.queue.record(perf_counter_ns() - arrived)
                 while True:
                     t_lookup = perf_counter_ns()

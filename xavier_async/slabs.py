@@ -126,7 +126,7 @@ def large_cap(slabs: int) -> int:
 
 class Ticket:
     """One borrower's place in a :class:`SlabPool`: granted at once, or queued (FIFO).
-    :meth:`wait` returns the slab's index; :meth:`cancel` gives back what it got, or
+    :meth:`take` returns the slab's index; :meth:`cancel` gives back what it got, or
     leaves the queue, so a cancelled borrower takes nothing."""
 
     __slots__ = ("pool", "large", "want", "index", "_event", "_done")
@@ -146,18 +146,26 @@ class Ticket:
         if self._event is not None:
             self._event.set()
 
-    async def wait(self) -> int:
-        """The granted slab's index (waits for it; no timeout: back-pressure is a wait)."""
-        if self.index is None:
-            self._event = anyio.Event()
-            await self._event.wait()
-        else:
-            await anyio.lowlevel.checkpoint()
+    async def take(self) -> int:
+        """The granted slab's index, once granted (no timeout: back-pressure is a wait);
+        from then on the borrower owns it and :meth:`cancel` no longer gives it back. If
+        the wait is cancelled (or fails), the ticket is cancelled: it takes nothing."""
+        try:
+            if self.index is None:
+                self._event = anyio.Event()
+                await self._event.wait()
+            else:
+                await anyio.lowlevel.checkpoint()
+        except BaseException:
+            self.cancel()
+            raise
         assert self.index is not None
+        self._done = True
         return self.index
 
     def cancel(self) -> None:
-        """Leave the queue, or give the slab back if it was granted (idempotent)."""
+        """Leave the queue, or give the slab back if it was granted (idempotent; nothing
+        once :meth:`take` has returned)."""
         if self._done:
             return
         self._done = True
@@ -165,10 +173,6 @@ class Ticket:
             self.pool._leave(self)
         else:
             self.pool.release(self.index)
-
-    def keep(self) -> None:
-        """The borrower has the slab: :meth:`cancel` no longer gives it back."""
-        self._done = True
 
 
 class SlabPool:
@@ -251,14 +255,7 @@ class SlabPool:
 
     async def acquire(self, large: bool, want: int | None = None) -> int:
         """Wait for a slab (FIFO); a cancellation while waiting takes nothing."""
-        ticket = self.enqueue(large, want)
-        try:
-            index = await ticket.wait()
-        except BaseException:
-            ticket.cancel()
-            raise
-        ticket.keep()
-        return index
+        return await self.enqueue(large, want).take()
 
     def _leave(self, ticket: Ticket) -> None:
         try:
