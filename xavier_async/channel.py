@@ -47,12 +47,12 @@ class CopyPlan:
 class PeerChannel:
     """The writer's side of one (endpoint, peer) pair."""
 
-    def __init__(self, peer: int, transport: Transport, send_slabs: Slab | Sequence[Slab],
+    def __init__(self, peer: int, transport: Transport, send_slabs: Sequence[Slab],
                  policy: ChannelPolicy, retry: RetryPolicy, metrics: PeerMetrics, *,
                  trimmed: bool, trim_align: int) -> None:
         self.peer = peer
         self.transport = transport
-        self.send_slabs = [send_slabs] if isinstance(send_slabs, Slab) else list(send_slabs)
+        self.send_slabs = list(send_slabs)
         #: the first send slab (bare copies use it)
         self.send_slab = self.send_slabs[0]
         self.policy = policy

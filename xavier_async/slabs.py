@@ -113,11 +113,6 @@ def allocate_slab(direction: str, full_bytes: int, small_bytes: int, device: tor
     return Slab(direction, torch.zeros(full_bytes, dtype=torch.uint8, device=device), small_bytes, index)
 
 
-def allocate_recv_slab(full_bytes: int, small_bytes: int, device: torch.device, index: int) -> Slab:
-    """One more receive slab (a fenced one's replacement)."""
-    return allocate_slab("recv", full_bytes, small_bytes, device, index)
-
-
 def large_cap(slabs: int) -> int:
     """How many slabs of a pool of ``slabs`` large batches may hold at once: all but one,
     so that a small batch never waits behind large ones (one slab: no reservation)."""
@@ -310,8 +305,7 @@ class RecvSlabs:
     Invariant: a fenced slab is never in the pool and never a spare, so no load reads a
     slab that a stale writer may still target."""
 
-    def __init__(self, first: Slab | Sequence[Slab]) -> None:
-        slabs = [first] if isinstance(first, Slab) else list(first)
+    def __init__(self, slabs: Sequence[Slab]) -> None:
         self.slabs: dict[int, Slab] = {s.index: s for s in slabs}
         self.pool = SlabPool(self.slabs)
         self.spares: list[int] = []
