@@ -391,23 +391,25 @@ class NixlTransport(Transport):
         return self._agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self._dev, "")],
                                          self._mem)
 
-    async def add_send_slab(self, slab: Slab) -> None:
+    async def _register(self, slab: Slab) -> Any:
+        """Register one more slab of the endpoint's (its device's) memory."""
         await anyio.lowlevel.checkpoint()
         if self._send_slab is None or slab.device != self._send_slab.device:
-            raise InvalidRequestError(f"send slab on {slab.device}, not on the endpoint's device")
-        self._reg.append(self._agent.register_memory(self._reg_descs(slab)))
-        self._send_slabs[slab.index] = slab
-        self.memory_registrations += 1
-
-    async def add_recv_slab(self, slab: Slab) -> None:
-        await anyio.lowlevel.checkpoint()
-        if self._send_slab is None or slab.device != self._send_slab.device:
-            raise InvalidRequestError(f"receive slab on {slab.device}, not on the endpoint's device")
+            raise InvalidRequestError(
+                f"{'receive' if slab.direction == 'recv' else 'send'} slab on {slab.device}, "
+                "not on the endpoint's device")
         reg = self._agent.register_memory(self._reg_descs(slab))
         self._reg.append(reg)
-        self._recv_slabs[slab.index] = slab
-        self._recv_regs[slab.index] = reg
         self.memory_registrations += 1
+        return reg
+
+    async def add_send_slab(self, slab: Slab) -> None:
+        await self._register(slab)
+        self._send_slabs[slab.index] = slab
+
+    async def add_recv_slab(self, slab: Slab) -> None:
+        self._recv_regs[slab.index] = await self._register(slab)
+        self._recv_slabs[slab.index] = slab
 
     async def share_recv_slab(self, peer: int, slab: Slab) -> None:
         """Send the slab's registration (NIXL partial agent metadata) and address to the
