@@ -22,10 +22,8 @@ peer's memory on ``cuda:1`` (VRAM, CUDA IPC through UCX); on the CPU both are DR
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +35,8 @@ import torch
 from ..layout import CacheLayout
 from ..packing import CacheTable, DeviceRuns, SlabRows, byte_rows, pack, pack_table, unpack
 from ..planning import PlannedBatch, Planner
-from ..testing.peer_process import LayoutSpec, pattern_caches
+from ..testing.peer_process import LayoutSpec, digest, pattern_caches
+from .suite import bench_layout, stats
 
 PATHS = ("packed", "prepped", "runs", "direct")
 #: ``packed``: pack + one WRITE into the peer's slab; ``prepped``: ``make_prepped_xfer``
@@ -80,12 +79,6 @@ def shapes(layout: LayoutSpec, full_bytes: int, seed: int = 0) -> list[Shape]:
                 f"{n} hashes scattered" if run == 1 else f"{n} hashes in runs of {run}")
         out.append(Shape(name, slots, layers, run))
     return out
-
-
-def stats_us(samples: Sequence[float]) -> dict[str, float]:
-    s = sorted(samples)
-    return {"median_us": statistics.median(s) * 1e6,
-            "p95_us": s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))] * 1e6, "n": len(s)}
 
 
 def derive_rule(results: Sequence[dict[str, Any]], to_slots: bool = False) -> dict[str, Any]:
@@ -158,13 +151,13 @@ def _peer_main(conn: Any, nbytes: int, device: str, layers: int, num_slots: int,
         if msg[0] == "zero":
             slab[: msg[1]].zero_()
         elif msg[0] == "digest":
-            conn.send(_digest(slab[: msg[1]]))
+            conn.send(digest(slab[: msg[1]]))
             continue
         elif msg[0] == "zero_slots":
             for layer in msg[1]:
                 caches[layer][torch.tensor(list(msg[2]), dtype=torch.long, device=dev)] = 0
         elif msg[0] == "digest_slots":
-            conn.send(_digest(blocks(msg[1], msg[2])))
+            conn.send(digest(blocks(msg[1], msg[2])))
             continue
         else:
             conn.send(True)
@@ -172,10 +165,6 @@ def _peer_main(conn: Any, nbytes: int, device: str, layers: int, num_slots: int,
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         conn.send(True)
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()
 
 
 class _Peer:
@@ -287,7 +276,7 @@ class Source:
     def expected(self, shape: Shape) -> str:
         """The bytes the peer must hold, read straight from the caches."""
         idx = torch.tensor(shape.slots, dtype=torch.long, device=self.device)
-        return _digest(torch.cat([self.rows[layer].index_select(0, idx).reshape(-1)
+        return digest(torch.cat([self.rows[layer].index_select(0, idx).reshape(-1)
                                   for layer in shape.layers]))
 
     def _wait(self, h: Any) -> None:
@@ -426,8 +415,8 @@ def measure_shape(src: Source, shape: Shape, iters: int, warmup: int) -> dict[st
                            # the source's caches must be unchanged by the unpack estimate
                            "source_caches_intact": src.expected(shape) == want}
     for p in PATHS:
-        row[p] = {**stats_us(times[p]), "bytes_verified": checked[p]}
-    row["unpack"] = stats_us(times["unpack"])
+        row[p] = {**stats(times[p]), "bytes_verified": checked[p]}
+    row["unpack"] = stats(times["unpack"])
     best = min(("prepped", "runs"), key=lambda p: row[p]["median_us"])
     row["best_descriptor_path"] = best
     row["ratio_descriptor_to_packed"] = row[best]["median_us"] / row["packed"]["median_us"]
@@ -442,7 +431,6 @@ def run_descriptors(full_bytes: int = 12 << 20, device: str = "auto", iters: int
                     report: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Every shape, both paths (three variants); the rule; registrations. Synchronous: it
     runs its own peer process and no event loop."""
-    from .suite import bench_layout
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if quick:

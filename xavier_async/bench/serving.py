@@ -52,7 +52,7 @@ from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requ
     replay_loads, split_caches, zero_caches
 from .raw import RAW_COPIES, raw_floor
 from .soak import _rss_kib
-from .suite import BenchOptions, bench_layout, make_trace, stats, target
+from .suite import BenchOptions, bench_layout, make_trace, nearest_rank, stats, target
 
 #: loads in flight, as in the seed's deployment
 CONCURRENCY = 16
@@ -178,10 +178,8 @@ replay = replay_loads
 def percentiles(samples: Sequence[float]) -> dict[str, float]:
     """p50 and p99 in microseconds (nearest rank), and the count."""
     s = sorted(samples)
-
-    def at(q: float) -> float:
-        return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] * 1e6
-    return {"p50_us": at(0.50), "p99_us": at(0.99), "n": len(s)}
+    return {"p50_us": nearest_rank(s, 0.50) * 1e6, "p99_us": nearest_rank(s, 0.99) * 1e6,
+            "n": len(s)}
 
 
 # -- one run (one K) ----------------------------------------------------------------------------

@@ -130,11 +130,15 @@ class BenchOptions:
         return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
 
 
+def nearest_rank(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of already sorted samples, by nearest rank."""
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
 def stats(samples: Sequence[float]) -> dict[str, float]:
     """Median, p95 and mean, in microseconds."""
     s = sorted(samples)
-    p95 = s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
-    return {"median_us": statistics.median(s) * 1e6, "p95_us": p95 * 1e6,
+    return {"median_us": statistics.median(s) * 1e6, "p95_us": nearest_rank(s, 0.95) * 1e6,
             "mean_us": statistics.fmean(s) * 1e6, "n": len(s)}
 
 
