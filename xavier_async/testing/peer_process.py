@@ -146,8 +146,8 @@ def split_caches(spec: LayoutSpec, published: int, rank: int, seed: int, device:
 def digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (copied to the host)."""
     import hashlib
-    flat = t.detach().cpu().reshape(-1).view(torch.uint8).clone()  # its own storage, exact size
-    return hashlib.sha256(bytes(flat.untyped_storage())).hexdigest()
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(memoryview(flat.numpy())).hexdigest()
 
 
 def zero_slots(caches: Mapping[Any, torch.Tensor], request: Mapping[int, Any]) -> None:
