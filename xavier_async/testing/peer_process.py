@@ -147,7 +147,7 @@ def digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (copied to the host)."""
     import hashlib
     flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(memoryview(flat.numpy())).hexdigest()
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
 def zero_slots(caches: Mapping[Any, torch.Tensor], request: Mapping[int, Any]) -> None:
