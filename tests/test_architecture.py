@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parent.parent / "xavier_async"
 
 #: module (dotted, relative to the package) -> layer
 LAYERS = {
-    "core": ["errors", "_checks", "sizes", "policy", "layout", "planning", "protocol", "retry",
+    "core": ["errors", "_checks", "sizes", "policy", "layout", "planning", "merging", "protocol", "retry",
              "metrics", "stages", "diagram"],
     "shell": ["shielded", "slabs", "packing", "_triton_runs", "channel", "endpoint", "__init__"],
     "transports": ["transports"],

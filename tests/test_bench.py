@@ -105,7 +105,7 @@ def test_serving_section_checks_every_load_and_registers_nothing_after_warm_up(r
     s, o = report["serving"], BenchOptions(**{k: v for k, v in report["options"].items()})
     phases = phase_loads(o, bench_layout(o.full_bytes))
     assert s["topology"] == "three"  # the default on DRAM
-    assert s["concurrency"] == 16 and set(s["runs"]) == {"k1", "default"}
+    assert s["concurrency"] == 16 and set(s["runs"]) == {"seed", "k1", "default"}
     assert s["trace"]["loads"] == o.trace_batches and s["trace"]["large"] == o.trace_large
     for name, r in s["runs"].items():
         assert r["bytes_checked"]["ok"]
@@ -121,8 +121,11 @@ def test_serving_section_checks_every_load_and_registers_nothing_after_warm_up(r
         assert o.full_bytes - layout.layers * layout.block_nbytes < per_load <= o.full_bytes
         assert r["large_stream"]["useful_bytes"] == len(phases["large_stream"]) * per_load
         assert r["mixed"]["small"]["p99_us"] >= r["mixed"]["small"]["p50_us"] > 0
-    assert s["runs"]["k1"]["receive_slabs"] == s["runs"]["k1"]["send_slabs"] == 1
-    for key in ("small_p99_mixed_vs_unloaded_p50", "concurrent_small_loads_per_s_vs_k1",
+    for name, merge in (("seed", False), ("k1", True)):  # one slab each way
+        assert s["runs"][name]["receive_slabs"] == s["runs"][name]["send_slabs"] == 1
+        assert s["runs"][name]["merge_loads"] is merge
+    assert s["runs"]["default"]["merge_loads"] is True
+    for key in ("small_p99_mixed_vs_unloaded_p50", "concurrent_small_loads_per_s_vs_seed",
                 "large_stream_vs_raw_full_copy", "serving_registrations_after_warmup",
                 "serving_rss_growth_bytes", "serving_bytes_checked"):
         assert key in s["targets"], key
@@ -136,7 +139,8 @@ def duplex(tmp_path_factory):
     NIXL, each loading from the other with 16 in flight while serving it."""
     stdout, report = run_bench_cli(tmp_path_factory.mktemp("duplex"), "--only-serving",
                                    "--serving-topology", "duplex")
-    assert "rank 1 loads from rank 0" in stdout and "rank 1: blocks checked" in stdout
+    flat = " ".join(stdout.split())  # the title wraps where the table's width says
+    assert "rank 1 loads from rank 0" in flat and "rank 1: blocks checked" in stdout
     return report
 
 
@@ -150,7 +154,7 @@ def test_duplex_serving_checks_both_directions_and_registers_nothing_after_warm_
     assert o.serving_topology == "duplex" and s["topology"] == "duplex" and s["device"] == "cpu"
     layout = bench_layout(o.full_bytes)
     mine, theirs = duplex_phases(o, layout)
-    assert s["concurrency"] == 16 and set(s["runs"]) == {"k1", "default"}
+    assert s["concurrency"] == 16 and set(s["runs"]) == {"seed", "k1", "default"}
     for name, r in s["runs"].items():
         assert r["topology"] == "duplex"
         for side, phases in ((r, mine), (r["peer"], theirs)):
@@ -169,7 +173,7 @@ def test_duplex_serving_checks_both_directions_and_registers_nothing_after_warm_
         both = r["both_directions"]
         assert both["large_stream_useful_gbps"] > r["large_stream"]["useful_gbps"] > 0
         assert both["mixed_useful_gbps"] > r["mixed"]["useful_gbps"] > 0
-    assert s["runs"]["k1"]["receive_slabs"] == s["runs"]["k1"]["send_slabs"] == 1
+    assert s["runs"]["seed"]["receive_slabs"] == s["runs"]["seed"]["send_slabs"] == 1
     assert s["targets"]["serving_registrations_after_warmup"]["met"]
     both_sides = sum(r["bytes_checked"]["blocks"] + r["peer"]["bytes_checked"]["blocks"]
                      for r in s["runs"].values())
@@ -294,15 +298,19 @@ def test_serving_byte_check_names_a_wrong_block():
 
 
 def test_slab_counts_reach_the_config():
-    """K goes to EndpointConfig as receive_slabs/send_slabs; None keeps the defaults."""
+    """K goes to EndpointConfig as receive_slabs/send_slabs; None keeps the defaults;
+    merging is on unless a run turns it off (the seed's design)."""
     from xavier_async import EndpointConfig
-    from xavier_async.bench.serving import config_for, config_kwargs, slab_counts
-    assert config_kwargs(3, full_bytes=FULL) == {"full_bytes": FULL, "receive_slabs": 3, "send_slabs": 3}
-    assert config_kwargs(None, full_bytes=FULL) == {"full_bytes": FULL}
-    assert slab_counts(config_for(3, full_bytes=FULL)) == {"receive_slabs": 3, "send_slabs": 3}
+    from xavier_async.bench.serving import RUNS, config_for, config_kwargs, slab_counts
+    assert config_kwargs(3, full_bytes=FULL) == {"full_bytes": FULL, "receive_slabs": 3, "send_slabs": 3,
+                                                 "merge_loads": True}
+    assert config_kwargs(None, False, full_bytes=FULL) == {"full_bytes": FULL, "merge_loads": False}
+    assert slab_counts(config_for(3, full_bytes=FULL)) == {"receive_slabs": 3, "send_slabs": 3,
+                                                           "merge_loads": True}
     default = EndpointConfig()
     assert slab_counts(config_for(None)) == {"receive_slabs": default.receive_slabs,
-                                             "send_slabs": default.send_slabs}
+                                             "send_slabs": default.send_slabs, "merge_loads": True}
+    assert RUNS == (("seed", 1, False), ("k1", 1, True), ("default", None, True))
 
 
 def test_serving_flags(capsys):

@@ -8,12 +8,14 @@ between three processes. Every load's bytes are checked.
 from __future__ import annotations
 
 import random
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
 import torch
 
-from xavier_async import EndpointClosedError, EndpointConfig, IntegrityError, PeerLostError
+from xavier_async import (EndpointClosedError, EndpointConfig, IntegrityError, PeerLostError,
+                          XavierError)
 from xavier_async.slabs import SlabPool
 
 from .conftest import (KiB, assert_same_bytes, cluster, faulty,
@@ -520,3 +522,196 @@ async def test_a_fenced_slab_leaves_the_pool_and_the_others_carry_on():
         await a.load(r)
         check(cs[0], cs, r)
         b.transport.release_held()
+
+
+# -- merging batches that wait for a slab (EndpointConfig.merge_loads) ----------------------
+
+ONE = EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, receive_slabs=1, send_slabs=1)
+
+
+@asynccontextmanager
+async def releasing(b):
+    """A task group whose exit lets ``b``'s held writes go, whatever happened in it (a
+    failed check then fails the test instead of waiting for a copy forever)."""
+    async with anyio.create_task_group() as tg:
+        try:
+            yield tg
+        finally:
+            b.transport.release_held()
+
+
+async def _fill_the_slab(a, b, tg, slot0: int = 100) -> dict:
+    """Start a load whose write is held: the only receive slab is busy until released."""
+    first = req(1, [50], slot0=slot0)
+    b.transport.hold_next_writes(1)
+    tg.start_soon(a.load, first)
+    await b.transport.wait_stalled(1)
+    return first
+
+
+@anyio_test
+async def test_batches_that_wait_for_a_slab_go_out_in_one_copy():
+    cs = caches(2)
+    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        rs = [req(1, [10 + i, 20 + i], slot0=2 * i) for i in range(3)]   # 2 KiB each
+        async with releasing(b) as tg:
+            first = await _fill_the_slab(a, b, tg)
+            for r in rs:
+                tg.start_soon(a.load, r)
+            # 4 KiB small view: two of the three 2 KiB batches form a group, the third
+            # starts another (both wait for the slab: two places in its queue, not three)
+            await until(lambda: a.recv_slab_stats["waiting"] == 2 and
+                        len(a._forming[(1, False)].members) == 1, "two groups wait")
+            b.transport.release_held()
+        m = a.metrics.peer(1)
+        assert (m.batches_received, m.batches_merged) == (3, 1)
+        assert b.metrics.peer(0).batches_sent == 3
+        for r in [first, *rs]:
+            check(cs[0], cs, r)
+
+
+@anyio_test
+async def test_merging_off_is_one_copy_per_batch():
+    cs = caches(2)
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, receive_slabs=1, send_slabs=1,
+                         merge_loads=False)
+    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        rs = [req(1, [10 + i], slot0=i) for i in range(3)]
+        async with releasing(b) as tg:
+            first = await _fill_the_slab(a, b, tg)
+            for r in rs:
+                tg.start_soon(a.load, r)
+            await until(lambda: a.recv_slab_stats["waiting"] == 3, "each waits on its own")
+            b.transport.release_held()
+        assert (a.metrics.peer(1).batches_received, a.metrics.peer(1).batches_merged) == (4, 0)
+        for r in [first, *rs]:
+            check(cs[0], cs, r)
+
+
+@anyio_test
+async def test_a_member_cancelled_before_its_group_starts_takes_nothing():
+    cs = caches(2)
+    before = snapshot(cs[0])
+    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        stay = req(1, [10], slot0=0)
+        scope, outcome, leaving = cancellable(a, req(1, [11], slot0=1))
+        async with releasing(b) as tg:
+            first = await _fill_the_slab(a, b, tg)
+            tg.start_soon(leaving)
+            tg.start_soon(a.load, stay)
+            await until(lambda: len(a._forming) == 1 and
+                        len(next(iter(a._forming.values())).members) == 2, "both in one group")
+            scope.cancel()
+            await until(lambda: "cancelled" in outcome, "the cancellation returned")
+            assert outcome["cancelled"]
+            b.transport.release_held()
+        assert a.metrics.peer(1).batches_merged == 0          # the group carried one batch
+        assert_same_bytes(cs[0][0][1], before[0][1])           # nothing requested for it
+        check(cs[0], cs, first)
+        check(cs[0], cs, stay)
+
+
+@anyio_test
+async def test_when_every_member_leaves_the_group_leaves_the_slab_queue():
+    cs = caches(2)
+    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        scope, outcome, leaving = cancellable(a, req(1, [11], slot0=1))
+        async with releasing(b) as tg:
+            first = await _fill_the_slab(a, b, tg)
+            tg.start_soon(leaving)
+            await until(lambda: a.recv_slab_stats["waiting"] == 1, "the group waits")
+            scope.cancel()
+            await until(lambda: "cancelled" in outcome, "the cancellation returned")
+            assert a.recv_slab_stats["waiting"] == 0 and not a._forming
+            b.transport.release_held()
+        assert b.metrics.peer(0).batches_sent == 1
+        check(cs[0], cs, first)
+        later = req(1, [12], slot0=2)                          # the slab is free again
+        await a.load(later)
+        check(cs[0], cs, later)
+
+
+@anyio_test
+async def test_a_member_cancelled_after_its_group_started_is_copied_not_unpacked():
+    cs = caches(2)
+    before = snapshot(cs[0])
+    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        stay = req(1, [10], slot0=0)
+        scope, outcome, leaving = cancellable(a, req(1, [11], slot0=1))
+        async with releasing(b) as tg:
+            first = await _fill_the_slab(a, b, tg)
+            tg.start_soon(leaving)
+            tg.start_soon(a.load, stay)
+            await until(lambda: len(a._forming) == 1 and
+                        len(a._forming[(1, False)].members) == 2, "both in one group")
+            b.transport.hold_next_writes(1)                    # the group's copy stalls too
+            b.transport.release_held()
+            await b.transport.wait_stalled(2)                  # the group's copy has started
+            scope.cancel()
+            await anyio.sleep(0.01)
+            assert "cancelled" not in outcome                  # waits for its copy
+            b.transport.release_held()
+        assert outcome["cancelled"]
+        assert a.metrics.peer(1).batches_merged == 1           # both went in one copy
+        assert_same_bytes(cs[0][0][1], before[0][1])           # not unpacked
+        check(cs[0], cs, first)
+        check(cs[0], cs, stay)
+
+
+@anyio_test
+async def test_a_refused_merged_request_fails_only_the_load_naming_the_missing_key():
+    cs = caches(2)
+    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        b.unpublish(11)
+        good = [req(1, [10], slot0=0), req(1, [12], slot0=2)]
+        errors: list[BaseException] = []
+
+        async def bad() -> None:
+            try:
+                await a.load(req(1, [11], slot0=1))
+            except Exception as exc:
+                errors.append(exc)
+
+        async with releasing(b) as tg:
+            first = await _fill_the_slab(a, b, tg)
+            tg.start_soon(a.load, good[0])
+            tg.start_soon(bad)
+            tg.start_soon(a.load, good[1])
+            await until(lambda: len(a._forming) == 1 and
+                        len(next(iter(a._forming.values())).members) == 3, "one group of three")
+            b.transport.release_held()
+        assert len(errors) == 1 and "not published" in str(errors[0])
+        for r in [first, *good]:
+            check(cs[0], cs, r)
+
+
+@anyio_test
+async def test_a_lost_source_fails_every_member_with_its_own_error():
+    cs = caches(2)
+    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        errors: list[BaseException] = []
+
+        async def one(i: int) -> None:
+            try:
+                await a.load(req(1, [10 + i], slot0=i))
+            except XavierError as exc:
+                errors.append(exc)
+
+        async with releasing(b) as tg:
+            tg.start_soon(one, 9)
+            b.transport.hold_next_writes(1)
+            await b.transport.wait_stalled(1)
+            for i in range(3):
+                tg.start_soon(one, i)
+            await until(lambda: len(a._forming) == 1, "the others wait in a group")
+            a._peer_lost(1, PeerLostError("rank 1 lost (test)"))
+            b.transport.release_held()
+        assert len(errors) == 4
+        assert len({id(e) for e in errors}) == 4                 # each load its own exception

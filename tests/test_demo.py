@@ -54,7 +54,8 @@ def test_demo_warm_answers_equal_recomputation_and_bytes_add_up():
     assert useful % bb == 0 and 64 * bb <= useful <= (64 + res["blocks_cancelled"]) * bb
     assert wire >= useful
     b = res["metrics"]["B"]["peers"][0]
-    assert b["load_errors"] == 0 and b["batches_received"] >= 16
+    # every batch: a copy of its own, or merged into another's while both waited for a slab
+    assert b["load_errors"] == 0 and b["batches_received"] + b["batches_merged"] >= 16
     assert res["recompute"]["requests"] == 16 and res["load"]["requests"] == 14
 
 

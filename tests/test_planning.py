@@ -351,7 +351,8 @@ def test_cached_planner_equals_old_planner(data):
                               unique=True, min_size=1, max_size=12), label="keys")
     slots = data.draw(st.lists(st.integers(-1, 17), min_size=len(keys), max_size=len(keys)), label="slots")
     blocks = dict(zip(keys, slots))
-    form = data.draw(st.sampled_from(["all", "explicit", "subset", "mixed", "two_sources", "list"]))
+    form = data.draw(st.sampled_from(["all", "explicit", "subset", "shared", "mixed", "two_sources",
+                                      "list"]))
     layers = list(range(nlayers))
     if form == "all":
         req: Any = {3: {ALL_LAYERS: blocks}}
@@ -360,6 +361,9 @@ def test_cached_planner_equals_old_planner(data):
     elif form == "subset":
         chosen = data.draw(st.lists(st.sampled_from(layers + [99]), unique=True, min_size=1))
         req = {3: {layer: dict(blocks) for layer in chosen}}
+    elif form == "shared":  # every layer names the very same dict (its keys checked once)
+        chosen = data.draw(st.lists(st.sampled_from(layers + [99]), unique=True, min_size=1))
+        req = {3: {layer: blocks for layer in chosen}}
     elif form == "mixed":  # layers differ: the general path
         req = {3: {layer: dict(list(blocks.items())[: 1 + layer]) for layer in layers}}
     elif form == "two_sources":
@@ -383,6 +387,25 @@ def test_cached_planner_reuses_shapes_and_stays_bounded():
     assert len(planner._shapes) == 4
 
 
+def test_a_request_that_fits_one_batch_is_planned_without_a_dummy_request():
+    """A new subset of layers (a cache miss) that fits one batch gets its shape directly:
+    the same batch as the general planner, and no call of plan_batches."""
+    import xavier_async.planning as planning
+    layout = CacheLayout.of({i: torch.zeros(64, 8) for i in range(24)})
+    planner = Planner(layout, 1 << 20)
+    calls = []
+    real = planning.plan_batches
+    planning.plan_batches = lambda *a: calls.append(a) or real(*a)  # type: ignore[assignment]
+    try:
+        for layers in ([0, 5, 7], [1, 2], list(range(24)), [23]):
+            req = {1: {layer: {"h": 3, "g": 4} for layer in layers}}
+            (b,) = planner.plan(req)
+            assert b.batch() == _old(req, layout, 1 << 20)[0][1]
+    finally:
+        planning.plan_batches = real
+    assert calls == [] and planner.misses == 4
+
+
 @pytest.mark.parametrize("req", [
     {1: {0: {"a": 0, "b": 0}}},                  # conflict
     {1: {0: {"a": 99}}},                         # out of range
@@ -395,6 +418,8 @@ def test_cached_planner_reuses_shapes_and_stays_bounded():
     {1: {0: {"a": 1}, 1: {"a": 1.0}}},
     {1: {0: {1: 1}, 1: {True: 1}}},              # a bool key equal to 1
     {1: {0: {1: 1}, 1: {1.0: 1}}},
+    {1: dict.fromkeys([0, 1], {"a": True})},     # the same dict in every layer: a bool slot
+    {1: dict.fromkeys([0, 1], {1.0: 1})},        # ... a float key
 ])
 def test_cached_planner_rejects_what_the_old_one_rejects(req):
     with pytest.raises(InvalidRequestError) as old:

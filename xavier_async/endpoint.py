@@ -41,8 +41,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._checks import check_bool, check_int, check_number, check_size
 from .channel import CopyPlan, PeerChannel
 from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InvalidRequestError,
-                     PeerLostError, RegistrationError, TransferError, UnknownPeerError, XavierError)
+                     PeerLostError, RegistrationError, RemoteError, TransferError, UnknownPeerError,
+                     XavierError)
 from .layout import BlockKey, CacheLayout, LayerId, check_key, check_layer_id, check_slot
+from .merging import LoadGroup, Member, MergedBatch
 from .metrics import EndpointMetrics
 from .packing import CacheTable, DeviceRuns, SlabRows, byte_rows, pack, unpack
 from .planning import LoadRequest, PlannedBatch, Planner
@@ -111,6 +113,15 @@ class EndpointConfig:
     copy ever waits for a mapping and registrations are flat from the first load on. Off
     (the default), mappings are made on first use, at most 2 x S x K per peer, and only
     those that traffic needs (one-at-a-time traffic needs two).
+
+    ``merge_loads``: batches from one source that wait for a receive slab are merged into
+    one request, one copy and one unpack (:mod:`xavier_async.merging`): small batches up
+    to the small view (the group stays small under the head-of-line rule), large ones up
+    to the full slab. Nothing merges while a slab is free, so an unloaded endpoint's loads
+    are unchanged; under load, a round trip serves every batch that waited for it. A
+    member cancelled before its group's request goes out takes nothing; after that it is
+    copied but not unpacked. A source that refuses a merged request (an unpublished key)
+    is asked again batch by batch, so only the loads naming the missing keys fail.
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -125,6 +136,7 @@ class EndpointConfig:
     receive_slabs: int = 4
     send_slabs: int = 4
     map_eagerly: bool = False
+    merge_loads: bool = True
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +153,7 @@ class EndpointConfig:
         check_bool("stream_ordered_unpack", self.stream_ordered_unpack)
         check_bool("verify", self.verify)
         check_bool("map_eagerly", self.map_eagerly)
+        check_bool("merge_loads", self.merge_loads)
         check_size("trim_align", self.trim_align)
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         if not isinstance(self.retry, RetryPolicy):
@@ -220,6 +233,9 @@ class Endpoint:
         self._inflight = 0
         #: requests handed to the serve queue and not yet committed (the inline path waits)
         self._queued = 0
+        #: per (source, large): the group of batches waiting for a receive slab that
+        #: later batches from that source join (EndpointConfig.merge_loads)
+        self._forming: dict[tuple[int, bool], LoadGroup] = {}
         #: per receive slab, the event of its last unpack (CUDA: reused only once it has run)
         self._unpacked: dict[int, torch.cuda.Event] = {}
         self._idle: anyio.Event | None = None
@@ -701,17 +717,130 @@ class Endpoint:
 
     async def _load_batch(self, src: int, batch: PlannedBatch) -> int:
         """One batch's round trip: borrow a receive slab (the head-of-line rule: a batch
-        larger than the small view is "large"), request, wait, unpack, give it back."""
-        assert self._recv is not None
-        slab = await self._borrow_recv_slab(batch.nbytes > self._small)
+        larger than the small view is "large"), request, wait, unpack, give it back. With
+        ``merge_loads``, a batch that would wait for a slab joins its source's forming
+        group (or starts one) instead, and is carried by the group's round trip."""
+        recv = self._recv
+        assert recv is not None
+        large = batch.nbytes > self._small
+        if not self.config.merge_loads:
+            slab = await self._borrow_recv_slab(large)
+        else:
+            group = self._forming.get((src, large))
+            if group is not None and group.fits(batch):
+                return await self._in_group(group, group.add(batch))
+            ticket = recv.pool.enqueue(large)
+            if not ticket.granted:  # every slab is busy: wait as a group
+                assert self._tg is not None
+                group = LoadGroup(src, large, self.config.sizes.full if large else self._small, ticket)
+                group.done = anyio.Event()
+                self._forming[(src, large)] = group
+                member = group.add(batch)
+                self._tg.start_soon(self._run_group, group)
+                return await self._in_group(group, member)
+            slab = recv.slabs[await ticket.take()]
         lent = [True]  # cleared when the slab is fenced: it then stays out of the pool
         try:
             return await self._load_into(src, batch, slab, lent)
         finally:
             if lent[0]:  # the copy is terminal (or was never requested): the slab is free
-                self._recv.pool.release(slab.index)
+                recv.pool.release(slab.index)
 
-    async def _load_into(self, src: int, batch: PlannedBatch, slab: Slab, lent: list[bool]) -> int:
+    async def _in_group(self, group: LoadGroup, member: Member) -> int:
+        """Wait for ``member``'s group. Cancelled before the group starts, the member
+        leaves it and takes nothing; after, its copy is waited for (shielded), it is not
+        unpacked, and the cancellation is re-raised."""
+        try:
+            await group.done.wait()
+        except BaseException:
+            if not group.started:
+                group.remove(member)
+                if not group.members:  # nobody left: the group leaves the slab queue
+                    self._close_group(group)
+                    group.ticket.cancel()
+                    if group.scope is not None:
+                        group.scope.cancel()
+                raise
+            member.cancelled = True
+            with anyio.CancelScope(shield=True):
+                await group.done.wait()
+            raise
+        if member.error is not None:
+            raise member.error
+        return member.wire_bytes
+
+    def _close_group(self, group: LoadGroup) -> None:
+        """No batch joins ``group`` any more."""
+        key = (group.src, group.large)
+        if self._forming.get(key) is group:
+            del self._forming[key]
+
+    async def _run_group(self, group: LoadGroup) -> None:
+        """A group's round trip (a background task): wait for its slab, then load every
+        member as one batch; each member gets its share or its own copy of the error. A
+        merged request the source refuses is asked again batch by batch."""
+        recv = self._recv
+        assert recv is not None
+        index: int | None = None
+        src = group.src
+        try:
+            try:
+                if not group.ticket.granted and recv.short():
+                    await self._add_recv_slab()  # joins the pool: granted to the first waiter
+            except XavierError as exc:
+                group.ticket.cancel()
+                group.fail(exc)
+                return
+            if group.members:  # (the last member to leave cancels the ticket and this scope)
+                with anyio.CancelScope() as group.scope:
+                    index = await group.ticket.take()
+            group.started = True
+            self._close_group(group)
+            if index is None or not group.members:  # every member left before the slab came
+                return
+            slab = recv.slabs[index]
+            lent = [True]
+            try:
+                try:
+                    group.share(await self._load_into(src, group.merged(), slab, lent))
+                    self.metrics.peer(src).batches_merged += len(group.members) - 1
+                except RemoteError as exc:
+                    if type(exc) is not RemoteError or len(group.members) == 1 or not lent[0]:
+                        raise
+                    await self._load_each(group, slab, lent)  # a refusal: nothing moved
+            except XavierError as exc:
+                group.fail(exc)
+            except Exception as exc:
+                log.exception("rank %d: a merged load from rank %d failed", self.rank, src)
+                group.fail(TransferError(f"loading from rank {src} failed: {exc!r}"))
+            finally:
+                if lent[0]:
+                    recv.pool.release(index)
+        finally:
+            self._close_group(group)
+            group.started = True
+            # whatever stopped this task (the endpoint's shutdown), no member waits forever
+            group.fail(EndpointClosedError("the endpoint closed while this load waited"))
+            group.done.set()
+
+    async def _load_each(self, group: LoadGroup, slab: Slab, lent: list[bool]) -> None:
+        """Load a refused group's members one by one into its slab: only the members
+        naming unpublished keys fail."""
+        for m in group.members:
+            if m.cancelled:
+                continue
+            m.base = 0
+            try:
+                m.land(await self._load_into(
+                    group.src, MergedBatch(group.src, [(0, m.batch)], m.batch.nbytes, [m]), slab, lent))
+            except XavierError as exc:
+                m.fail(exc)
+                if not lent[0]:  # fenced: the rest cannot use this slab
+                    group.fail(exc)
+                    return
+
+    async def _load_into(self, src: int, batch: PlannedBatch | MergedBatch, slab: Slab,
+                         lent: list[bool]) -> int:
         m = self.metrics.peer(src)
         self._recv_slab_free(slab)
         if slab.index:
@@ -778,7 +907,7 @@ class Endpoint:
         m.bytes_received += req.wire_bytes
         return req.wire_bytes
 
-    async def _unpack(self, batch: PlannedBatch, slab: Slab) -> None:
+    async def _unpack(self, batch: PlannedBatch | MergedBatch, slab: Slab) -> None:
         # one pass (memmoves on the CPU, one fused launch on CUDA). This receive slab is
         # lent again only after its unpack has run (_recv_slab_free). Stream-ordered: only
         # enqueued, and the caches' current stream waits on its event. Otherwise its event

@@ -15,7 +15,8 @@ class PeerMetrics:
     Writer side (this endpoint copied into the peer): ``batches_sent``, ``useful_bytes``,
     ``wire_bytes``, ``copies_full``, ``copies_small``, ``view_switches``, ``registrations``
     (view mappings made), ``retries``, ``failures``, ``resets``.
-    Receiver side (this endpoint loaded from the peer): ``batches_received``,
+    Receiver side (this endpoint loaded from the peer): ``batches_received`` (copies),
+    ``batches_merged`` (batches that rode in another batch's copy: ``merge_loads``),
     ``bytes_received``, ``load_errors``.
     """
 
@@ -30,6 +31,7 @@ class PeerMetrics:
     failures: int = 0
     resets: int = 0
     batches_received: int = 0
+    batches_merged: int = 0
     bytes_received: int = 0
     load_errors: int = 0
 

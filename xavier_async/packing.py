@@ -214,6 +214,14 @@ def unpack_table(slab_ptr: int, batch: Any, caches: CacheTable) -> RunTable:
     dst: list[int] = []
     src: list[int] = []
     ns: list[int] = []
+    parts = getattr(batch, "parts", None)
+    if parts is not None:  # merged batches (xavier_async.merging): each at its base
+        for at, part in parts():
+            table = unpack_table(slab_ptr + at, part, caches)
+            dst += table[0]
+            src += table[1]
+            ns += table[2]
+        return dst, src, ns
     base = caches.base
     shape = getattr(batch, "shape", None)
     if shape is not None:  # uniform: one slot per key, the same slots in every layer

@@ -333,9 +333,10 @@ class Planner:
             # equal is not enough (1 == True == 1.0): every key and slot must also have an
             # exact type, checked in C over all layers at once
             # (one pass over keys and slots: the first layer's are validated below, and a
-            # bool, float or str equal to one of its ints has a type outside this set)
-            if not _KEY_TYPES.issuperset(map(type, chain(chain.from_iterable(vals),
-                                                         chain.from_iterable(map(dict.values, vals))))):
+            # bool, float or str equal to one of its ints has a type outside this set).
+            # Layers that all name the very same dict need only the checks below.
+            if not all(v is first for v in vals) and not _KEY_TYPES.issuperset(
+                    map(type, chain(chain.from_iterable(vals), chain.from_iterable(map(dict.values, vals))))):
                 return None
             layer_ids = tuple(layers)
         if type(first) is not dict or not first:
@@ -374,6 +375,9 @@ class Planner:
         if len(set(layer_ids)) != len(layer_ids):
             return None  # pragma: no cover - dict keys are unique
         self.misses += 1
+        one = self._one_batch(layer_ids, n)
+        if one is not None:
+            return self._remember(layer_ids, n, (one,))
         dummy: SourcePlan = {layer: {i: (i,) for i in range(n)} for layer in layer_ids}
         shapes = []
         for b in plan_batches(dummy, self.layout, self.full_bytes):
@@ -393,9 +397,34 @@ class Planner:
                 tuple(len(s.keys) for s in segs), tuple(s.offset for s in segs),
                 tuple(s.block_nbytes for s in segs), b.nbytes, b.useful_bytes,
                 tuple(template), tuple(fresh)))
+        return self._remember(layer_ids, n, tuple(shapes))
+
+    def _one_batch(self, layer_ids: tuple[Any, ...], n: int) -> BatchShape | None:
+        """The shape of ``n`` keys in each of ``layer_ids`` when they fit one batch (what
+        :func:`plan_batches` gives then, without planning a dummy request): a request for
+        a random subset of layers is a miss in the cache, and must not cost more."""
+        specs = self.layout.layers
+        offsets: list[int] = []
+        sizes: list[int] = []
+        off = 0
+        for layer in layer_ids:
+            bn = specs[layer].block_nbytes
+            start = align_up(off, SEGMENT_ALIGN)
+            offsets.append(start)
+            sizes.append(bn)
+            off = start + n * bn
+        if off > self.full_bytes:
+            return None
+        k = len(layer_ids)
+        return BatchShape(tuple(layer_ids), (0,) * k, (n,) * k, tuple(offsets), tuple(sizes), off,
+                          n * sum(sizes), (None,) + tuple([layer, 0] for layer in layer_ids[1:]), (0,))
+
+    def _remember(self, layer_ids: tuple[Any, ...], n: int, shapes: tuple[BatchShape, ...],
+                  ) -> tuple[tuple[BatchShape, ...], int]:
+        specs = self.layout.layers
         nslots = min(specs[layer].num_slots for layer in layer_ids)
         if len(self._shapes) >= self.cache_size:
             self._shapes.pop(next(iter(self._shapes)))  # oldest first
-        entry = (tuple(shapes), nslots)
+        entry = (shapes, nslots)
         self._shapes[(layer_ids, n)] = entry
         return entry

@@ -34,6 +34,7 @@ from typing import Any, Final, Union
 from .errors import (HandshakeError, InvalidRequestError, LayoutMismatchError, PeerLostError,
                      RegistrationError, RemoteError, StaleRequestError, TransferError, XavierError)
 from .layout import BlockKey, CacheLayout, LayerId
+from .merging import MergedBatch
 from .planning import Batch, PlannedBatch, Segment, segments_from_wire
 from .policy import ChannelPolicy
 from .sizes import SlabSizes, View
@@ -96,7 +97,7 @@ class Load:
     verify: bool = False
 
     @classmethod
-    def of(cls, req_id: int, batch: Batch | PlannedBatch, epoch: int = 0, slab: int = 0,
+    def of(cls, req_id: int, batch: Batch | PlannedBatch | MergedBatch, epoch: int = 0, slab: int = 0,
            verify: bool = False) -> Load:
         return cls(req_id, batch.wire(), epoch, slab, verify)
 

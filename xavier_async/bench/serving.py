@@ -15,9 +15,11 @@ Two topologies (``BenchOptions.serving_topology``; ``auto`` picks ``duplex`` on 
   low slots hold its pattern bytes (published, served to the other side), the high slots
   are the destination of its own loads. Rank 1's figures are under ``"peer"``.
 
-It runs twice, side by side: with one receive slab and one send slab per endpoint (K=1,
-the seed's design) and with the endpoint's default K (``EndpointConfig.receive_slabs``
-and ``send_slabs``).
+It runs three times, side by side (:data:`RUNS`): ``seed``, one receive slab and one send
+slab per endpoint with nothing merged (the seed's one-batch-at-a-time design); ``k1``, one
+slab each way with batches that wait for it merged (``EndpointConfig.merge_loads``, the
+default); ``default``, the endpoint's defaults (``receive_slabs``/``send_slabs`` K, merging
+on). The targets compare ``default`` with ``seed``; ``k1`` shows what merging alone gives.
 
 Per run, phases (each with its own destination slots, all checked byte for byte after
 the phase, outside the timings, on both sides in duplex):
@@ -61,6 +63,8 @@ SOURCES = (1, 2)
 TOPOLOGIES = ("three", "duplex")
 #: the EndpointConfig fields of the slab counts
 SLAB_FIELDS = ("receive_slabs", "send_slabs")
+#: the runs, side by side: (name, slabs each way (None: the default, or --serving-slabs), merge_loads)
+RUNS = (("seed", 1, False), ("k1", 1, True), ("default", None, True))
 #: seconds a peer process may take for one phase (its replay or its check)
 PEER_TIMEOUT = 600.0
 
@@ -79,23 +83,24 @@ def resolve_topology(o: BenchOptions, device: str) -> str:
 
 
 # -- configuration ----------------------------------------------------------------------------
-def config_kwargs(k: int | None, **base: Any) -> dict[str, Any]:
-    """EndpointConfig keyword arguments: ``base`` plus ``receive_slabs=k, send_slabs=k``;
-    ``k=None`` keeps the engine's defaults."""
-    out = dict(base)
+def config_kwargs(k: int | None, merge: bool = True, **base: Any) -> dict[str, Any]:
+    """EndpointConfig keyword arguments: ``base`` plus ``receive_slabs=k, send_slabs=k``
+    (``k=None`` keeps the engine's defaults) and ``merge_loads=merge``."""
+    out = dict(base, merge_loads=merge)
     if k is not None:
         out.update({name: k for name in SLAB_FIELDS})
     return out
 
 
-def config_for(k: int | None, **base: Any) -> EndpointConfig:
+def config_for(k: int | None, merge: bool = True, **base: Any) -> EndpointConfig:
     """The loader's and the sources' config for ``k`` slabs (see :func:`config_kwargs`)."""
-    return EndpointConfig(**config_kwargs(k, **base))
+    return EndpointConfig(**config_kwargs(k, merge, **base))
 
 
-def slab_counts(cfg: EndpointConfig) -> dict[str, int]:
-    """Receive and send slabs per endpoint."""
-    return {"receive_slabs": cfg.receive_slabs, "send_slabs": cfg.send_slabs}
+def slab_counts(cfg: EndpointConfig) -> dict[str, Any]:
+    """Receive and send slabs per endpoint, and whether waiting batches are merged."""
+    return {"receive_slabs": cfg.receive_slabs, "send_slabs": cfg.send_slabs,
+            "merge_loads": cfg.merge_loads}
 
 
 # -- loads --------------------------------------------------------------------------------------
@@ -275,20 +280,22 @@ def side_figures(ph: dict[str, list[Load]], t: dict[str, Timing], layout: Layout
 
 
 async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], src_layout: LayoutSpec,
-                device: str, peer_phases: dict[str, list[Load]] | None = None) -> dict[str, Any]:
-    """All phases with ``k`` slabs per endpoint (None: the engine's default). Without
-    ``peer_phases``: the three-process topology; with them: duplex, rank 1 replaying them."""
+                device: str, peer_phases: dict[str, list[Load]] | None = None,
+                merge: bool = True) -> dict[str, Any]:
+    """All phases with ``k`` slabs per endpoint (None: the engine's default) and
+    ``merge_loads=merge``. Without ``peer_phases``: the three-process topology; with them:
+    duplex, rank 1 replaying them."""
     # every (send slab, view, receive slab) is mapped as peers join, as a serving engine
     # would configure it: registrations are then flat whatever pairs the traffic uses
     base: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, map_eagerly=True)
-    cfg = config_for(k, **base)
+    cfg = config_for(k, merge, **base)
     cuda, duplex = device == "cuda", peer_phases is not None
     published = src_layout.num_slots
     dest = max(slots_needed(p) for p in [*phases.values(), *(peer_phases or {}).values()])
     ranks, dest_base = ((1,), published) if duplex else (SOURCES, 0)
     layout = replace(src_layout, num_slots=dest_base + dest)
     specs = [PeerSpec(rank=r, layout=layout if duplex else src_layout, seed=o.seed,
-                      device="cuda:1" if cuda else "cpu", config=config_kwargs(k, **base),
+                      device="cuda:1" if cuda else "cpu", config=config_kwargs(k, merge, **base),
                       hello_extras={RAW_COPIES: True}, torch_threads=None if cuda else 1,
                       published=published if duplex else None) for r in ranks]
     expected = {r: pattern_caches(src_layout, r, o.seed) for r in ranks}
@@ -338,6 +345,10 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
                 if pt is not None:
                     peer_t[name] = pt
             regs1, mem1 = await registrations(), rss()
+            stages = {names[0]: stage_summary(ep.snapshot_metrics().get("stages", {}))}
+            for p in peers:
+                stages[names[p.spec.rank]] = stage_summary(
+                    (await _peer_call(p, "metrics")).get("stages", {}))
     full_rate = o.full_bytes / (floor["median_us"] * 1e-6)
     out = {**slab_counts(cfg), "topology": "duplex" if duplex else "three",
            "raw_full_copy": {**floor, "gbps": full_rate / 1e9},
@@ -348,6 +359,8 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
         "registrations_after_warmup": {name: regs1[name] - regs0[name] for name in regs0},
         "rss_growth_bytes": {name: (mem1[name] - mem0[name]) * 1024 for name in pids},
         "loader_slots": dest,
+        # per-stage host time over all phases (warm-up included), per process
+        "stages": stages,
         # check_phase raises on a wrong byte: reaching here means every block matched
         "bytes_checked": {"loads": ph.loads_checked, "blocks": ph.blocks_checked, "ok": True},
     })
@@ -362,14 +375,20 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
     return out
 
 
+def stage_summary(stages: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """The stages that ran, as ``n``, ``p50_us`` and ``mean_us`` (no buckets)."""
+    return {side: {name: {k: h[k] for k in ("n", "p50_us", "mean_us")} for name, h in d.items() if h.get("n")}
+            for side, d in stages.items()}
+
+
 def _useful(loads: Sequence[Load], layout: LayoutSpec) -> int:
     return sum(x.blocks for x in loads) * layout.block_nbytes
 
 
 # -- the section --------------------------------------------------------------------------------
 async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """The section: K=1 and the default K (or ``o.serving_slabs``) side by side, with the
-    issue's targets."""
+    """The section: the :data:`RUNS` side by side (the default K, or ``o.serving_slabs``),
+    with the issue's targets."""
     if o.transport != "nixl":
         return {"skipped": "the serving section runs two or three processes over NIXL (--transport nixl)"}
     device = o.resolved_device()
@@ -381,9 +400,10 @@ async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: Non
     default_k = slab_counts(config_for(o.serving_slabs, full_bytes=o.full_bytes,
                                        small_bytes=o.small_bytes))
     runs = {}
-    for name, k in (("k1", 1), ("default", o.serving_slabs)):
+    for name, k, merge in RUNS:
         report(f"serving {name}")
-        runs[name] = await run_k(o, k, phases, src_layout, device, peer_phases)
+        runs[name] = await run_k(o, o.serving_slabs if k is None else k, phases, src_layout, device,
+                                 peer_phases, merge)
     out: dict[str, Any] = {
         "concurrency": CONCURRENCY, "device": device, "topology": topology,
         "default_slabs": default_k,
@@ -392,6 +412,9 @@ async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: Non
                   "useful_bytes": _useful(mixed, src_layout), "block_bytes": src_layout.block_nbytes,
                   "layers": src_layout.layers},
         "runs": runs,
+        # the target: against the seed's design; and what the slab pools add to merging
+        "concurrent_small_default_over_seed": (runs["default"]["concurrent_small"]["loads_per_s"]
+                                               / runs["seed"]["concurrent_small"]["loads_per_s"]),
         "concurrent_small_default_over_k1": (runs["default"]["concurrent_small"]["loads_per_s"]
                                              / runs["k1"]["concurrent_small"]["loads_per_s"]),
     }
@@ -404,7 +427,8 @@ def serving_targets(s: dict[str, Any], full_bytes: int) -> dict[str, dict[str, A
     d, runs = s["runs"]["default"], s["runs"].values()
     return {
         "small_p99_mixed_vs_unloaded_p50": target(d["small_p99_mixed_over_unloaded_p50"], 3.0),
-        "concurrent_small_loads_per_s_vs_k1": target(s["concurrent_small_default_over_k1"], 3.0, le=False),
+        "concurrent_small_loads_per_s_vs_seed": target(s["concurrent_small_default_over_seed"], 3.0,
+                                                       le=False),
         "large_stream_vs_raw_full_copy": target(d["large_stream"]["vs_raw_full_copy"], 0.70, le=False),
         "serving_registrations_after_warmup": target(
             max(v for r in runs for v in r["registrations_after_warmup"].values()), 0),
@@ -420,15 +444,15 @@ def serving_targets(s: dict[str, Any], full_bytes: int) -> dict[str, dict[str, A
 
 # -- report -------------------------------------------------------------------------------------
 def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
-    """(title, rows, header) for the report: K=1 and default K side by side, the targets."""
+    """(title, rows, header) for the report: the runs side by side, the targets."""
     for why in ("skipped", "error"):
         if why in s:
             return [("Serving load", [[s[why]]], [why])]
-    k1, d = s["runs"]["k1"], s["runs"]["default"]
+    seed, k1, d = s["runs"]["seed"], s["runs"]["k1"], s["runs"]["default"]
 
     def row(label: str, get: Callable[[dict[str, Any]], Any], fmt: str = "{:.1f}") -> list[str]:
-        a, b = get(k1), get(d)
-        return [label, fmt.format(a), fmt.format(b), f"{b / a:.2f}x" if a else "-"]
+        a, m, b = get(seed), get(k1), get(d)
+        return [label, fmt.format(a), fmt.format(m), fmt.format(b), f"{b / a:.2f}x" if a else "-"]
 
     rows = [
         row("small p50 unloaded (us)", lambda r: r["unloaded_small"]["p50_us"]),
@@ -474,11 +498,12 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
              f"{'' if s.get('slabs_default', True) else ', set by --serving-slabs'})")
     target_rows = [[k, f"{v['value']:.3g}", f"{'<=' if k not in _AT_LEAST else '>='} {v['limit']:.3g}",
                     "met" if v["met"] else "MISSED"] for k, v in s["targets"].items()]
-    return [(title, rows, ["", "K=1", f"K={d['receive_slabs']}", "K / K=1"]),
+    return [(title, rows, ["", "seed K=1", "K=1 merged", f"K={d['receive_slabs']}",
+                           f"K={d['receive_slabs']} / seed"]),
             ("Serving targets", target_rows, ["target", "value", "limit", ""])]
 
 
-_AT_LEAST = {"concurrent_small_loads_per_s_vs_k1", "large_stream_vs_raw_full_copy", "serving_bytes_checked"}
+_AT_LEAST = {"concurrent_small_loads_per_s_vs_seed", "large_stream_vs_raw_full_copy", "serving_bytes_checked"}
 
 
 def plot_serving(ax: Any, s: dict[str, Any]) -> None:
@@ -487,7 +512,7 @@ def plot_serving(ax: Any, s: dict[str, Any]) -> None:
     groups = [("unloaded", "unloaded_small"), ("mixed", "mixed")]
     labels, p50, p99 = [], [], []
     for name, r in runs.items():
-        k = "K=1" if name == "k1" else f"K={r['receive_slabs']}"
+        k = {"seed": "seed K=1", "k1": "K=1 merged"}.get(name, f"K={r['receive_slabs']}")
         for g, key in groups:
             st = r[key] if key == "unloaded_small" else r[key]["small"]
             labels.append(f"{k}\n{g}")

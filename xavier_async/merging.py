@@ -1,0 +1,173 @@
+"""Merging batches that wait for a receive slab (pure core, no I/O).
+
+When every receive slab is busy, batches from one source that wait behind each other are
+merged into one :class:`LoadGroup`: one request, one copy, one unpack. A group forms only
+while it waits for a slab, so an unloaded endpoint never merges (nothing waits) and a
+loaded one pays one round trip per group instead of one per batch.
+
+A group holds batches of one source and one head-of-line class: small batches (at most
+the small view) merge up to the small view, so a group of small batches is itself small
+and keeps the slab reserved for small batches; large ones merge up to the full slab. Each
+member's segments sit at an aligned base in the slab; the wire form is the members' wire
+forms one after the other, and since every segment offset is aligned, the source computes
+exactly the same offsets from it (:func:`~xavier_async.planning.segments_from_wire`).
+
+A member cancelled before its group starts leaves it (it takes nothing); once the group
+has started (its request is about to go out), a cancelled member is still copied but not
+unpacked: its slots keep their contents, as for a single batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from .layout import SEGMENT_ALIGN, align_up
+from .planning import PlannedBatch, Segment
+
+
+def own_copy(error: BaseException) -> BaseException:
+    """A copy of ``error`` with its own notes (its cause and traceback kept)."""
+    try:
+        c = copy.copy(error)
+    except Exception:  # an exception that cannot be rebuilt from its args
+        return error
+    c.__cause__, c.__context__ = error.__cause__, error.__context__
+    c.__traceback__ = error.__traceback__
+    notes = getattr(error, "__notes__", None)
+    if notes is not None:
+        c.__notes__ = list(notes)
+    return c
+
+
+class Member:
+    """One batch of a :class:`LoadGroup`, at ``base`` in the slab."""
+
+    __slots__ = ("batch", "base", "cancelled", "wire_bytes", "error", "settled")
+
+    def __init__(self, batch: PlannedBatch, base: int) -> None:
+        self.batch = batch
+        self.base = base
+        #: cancelled after the group started: copied, not unpacked
+        self.cancelled = False
+        #: the member's share of the group's copy, once it landed
+        self.wire_bytes = 0
+        self.error: BaseException | None = None
+        #: its outcome is known (``wire_bytes`` or ``error``)
+        self.settled = False
+
+    def land(self, wire_bytes: int) -> None:
+        self.wire_bytes, self.settled = wire_bytes, True
+
+    def fail(self, error: BaseException) -> None:
+        """Give the member ``error`` (its own copy: each load adds its own notes)."""
+        if not self.settled:
+            self.error, self.settled = own_copy(error), True
+
+
+class LoadGroup:
+    """Batches of one source merged into one copy; accepts members until it starts.
+
+    ``limit``: the largest merged payload (the small view for small batches, the full slab
+    for large ones). ``ticket`` and the events are the engine's (kept here, untyped, so
+    this module stays free of I/O)."""
+
+    __slots__ = ("src", "large", "limit", "members", "nbytes", "started", "ticket", "done",
+                 "scope")
+
+    def __init__(self, src: int, large: bool, limit: int, ticket: Any = None) -> None:
+        self.src, self.large, self.limit = src, large, limit
+        self.members: list[Member] = []
+        #: the payload end of the members so far
+        self.nbytes = 0
+        #: set when the group takes its slab: no member joins or leaves after that
+        self.started = False
+        self.ticket = ticket
+        self.done: Any = None
+        self.scope: Any = None
+
+    def fits(self, batch: PlannedBatch) -> bool:
+        """Whether ``batch`` can still join (the group has not started and has room)."""
+        return not self.started and align_up(self.nbytes, SEGMENT_ALIGN) + batch.nbytes <= self.limit
+
+    def add(self, batch: PlannedBatch) -> Member:
+        if not self.fits(batch):
+            raise ValueError("the batch does not fit this group")
+        base = align_up(self.nbytes, SEGMENT_ALIGN)
+        m = Member(batch, base)
+        self.members.append(m)
+        self.nbytes = base + batch.nbytes
+        return m
+
+    def remove(self, member: Member) -> None:
+        """A member cancelled before the group started: it leaves, and later members move
+        down (the group's payload is laid out again)."""
+        if self.started:
+            raise ValueError("a started group keeps its members")
+        self.members.remove(member)
+        end = 0
+        for m in self.members:
+            m.base = align_up(end, SEGMENT_ALIGN)
+            end = m.base + m.batch.nbytes
+        self.nbytes = end
+
+    def merged(self) -> MergedBatch:
+        """The group as one batch (what is requested and copied)."""
+        return MergedBatch(self.src, [(m.base, m.batch) for m in self.members], self.nbytes,
+                           self.members)
+
+    def share(self, wire_bytes: int) -> None:
+        """Charge each member its share of the copy's ``wire_bytes`` (by payload)."""
+        total = sum(m.batch.nbytes for m in self.members) or 1
+        for m in self.members:
+            m.land(wire_bytes * m.batch.nbytes // total)
+
+    def fail(self, error: BaseException) -> None:
+        """Every member whose outcome is not known yet fails with ``error``."""
+        for m in self.members:
+            m.fail(error)
+
+
+class MergedBatch:
+    """Several batches as one: what the receiver requests (:meth:`wire`) and copies
+    (``nbytes``). :meth:`parts` names what is unpacked: every member not cancelled."""
+
+    __slots__ = ("src", "_parts", "nbytes", "_members")
+
+    def __init__(self, src: int, parts: list[tuple[int, PlannedBatch]], nbytes: int,
+                 members: list[Member] | None = None) -> None:
+        self.src, self._parts, self.nbytes = src, parts, nbytes
+        self._members = members
+
+    def wire(self) -> list[Any]:
+        """The members' wire forms back to back (each starts with explicit keys)."""
+        out: list[Any] = []
+        for _, batch in self._parts:
+            out.extend(batch.wire())
+        return out
+
+    def parts(self) -> list[tuple[int, PlannedBatch]]:
+        """``(base, batch)`` of each member to unpack (those not cancelled)."""
+        if self._members is None:
+            return list(self._parts)
+        return [(m.base, m.batch) for m in self._members if not m.cancelled]
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The segments to unpack, at their offsets in the slab."""
+        return tuple(seg._replace(offset=seg.offset + base)
+                     for base, batch in self.parts() for seg in batch.segments)
+
+    @property
+    def useful_bytes(self) -> int:
+        return sum(b.useful_bytes for _, b in self._parts)
+
+    @property
+    def blocks(self) -> int:
+        return sum(b.blocks for _, b in self._parts)
+
+    def __repr__(self) -> str:
+        return f"MergedBatch(src={self.src}, nbytes={self.nbytes}, parts={len(self._parts)})"
+
+
+__all__ = ["LoadGroup", "Member", "MergedBatch", "own_copy"]
