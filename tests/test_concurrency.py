@@ -549,6 +549,18 @@ async def _fill_the_slab(a, b, tg, slot0: int = 100) -> dict:
     return first
 
 
+async def _group_of_two(a, b, tg, leaving) -> tuple[dict, dict]:
+    """Fill the slab, then start ``leaving`` and a load that stays (slot 0); return once
+    both wait in one group: (the first load, the one that stays)."""
+    first = await _fill_the_slab(a, b, tg)
+    stay = req(1, [10], slot0=0)
+    tg.start_soon(leaving)
+    tg.start_soon(a.load, stay)
+    await until(lambda: len(a._forming) == 1 and len(a._forming[(1, False)].members) == 2,
+                "both in one group")
+    return first, stay
+
+
 @anyio_test
 async def test_batches_that_wait_for_a_slab_go_out_in_one_copy():
     cs = caches(2)
@@ -596,14 +608,9 @@ async def test_a_member_cancelled_before_its_group_starts_takes_nothing():
     before = snapshot(cs[0])
     async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
         publish(b)
-        stay = req(1, [10], slot0=0)
         scope, outcome, leaving = cancellable(a, req(1, [11], slot0=1))
         async with releasing(b) as tg:
-            first = await _fill_the_slab(a, b, tg)
-            tg.start_soon(leaving)
-            tg.start_soon(a.load, stay)
-            await until(lambda: len(a._forming) == 1 and
-                        len(next(iter(a._forming.values())).members) == 2, "both in one group")
+            first, stay = await _group_of_two(a, b, tg, leaving)
             scope.cancel()
             await until(lambda: "cancelled" in outcome, "the cancellation returned")
             assert outcome["cancelled"]
@@ -641,14 +648,9 @@ async def test_a_member_cancelled_after_its_group_started_is_copied_not_unpacked
     before = snapshot(cs[0])
     async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
         publish(b)
-        stay = req(1, [10], slot0=0)
         scope, outcome, leaving = cancellable(a, req(1, [11], slot0=1))
         async with releasing(b) as tg:
-            first = await _fill_the_slab(a, b, tg)
-            tg.start_soon(leaving)
-            tg.start_soon(a.load, stay)
-            await until(lambda: len(a._forming) == 1 and
-                        len(a._forming[(1, False)].members) == 2, "both in one group")
+            first, stay = await _group_of_two(a, b, tg, leaving)
             b.transport.hold_next_writes(1)                    # the group's copy stalls too
             b.transport.release_held()
             await b.transport.wait_stalled(2)                  # the group's copy has started

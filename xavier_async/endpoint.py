@@ -16,6 +16,10 @@ transport calls. Loading from a peer (many such loads may be in flight at once):
     <-------------------------------- Landed  (bytes are in receive slab r)
     unpack into cache slots, give r back        (s is given back once the WRITE is terminal)
 
+Batches from one source that would wait for a receive slab are merged into one request
+(``EndpointConfig.merge_loads``, :mod:`xavier_async.merging`): a background task waits for
+the slab and carries the whole group's round trip; each load waits for its member.
+
 A copy that has started is waited for (shielded) until it reaches a terminal state, even
 if the caller is cancelled; the cancellation is re-raised afterwards and the batch is not
 unpacked, so the cache keeps its previous contents.
