@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "endpoints that both load and serve (duplex); default: duplex on CUDA "
                         "(one process per GPU), three on the CPU")
     b.add_argument("--serving-slabs", type=_positive, metavar="K", default=None,
-                   help="the receive/send slab count the serving section compares with K=1 "
-                        "(default: the engine's default)")
+                   help="the receive/send slab count of the serving section's default run, "
+                        "compared with K=1 (the seed's design, and K=1 merging waiting batches); "
+                        "default: the engine's default")
     b.add_argument("--soak", type=_positive, metavar="N",
                    help="instead of the sections: N loads over NIXL between processes with "
                         "injected faults, cancellations and a peer restart, every byte checked")
