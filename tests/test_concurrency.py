@@ -567,10 +567,15 @@ async def test_batches_that_wait_for_a_slab_go_out_in_one_copy():
     async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
         publish(b)
         rs = [req(1, [10 + i, 20 + i], slot0=2 * i) for i in range(3)]   # 2 KiB each
+        results = {}
+
+        async def load(i: int) -> None:
+            results[i] = await a.load(rs[i])
+
         async with releasing(b) as tg:
             first = await _fill_the_slab(a, b, tg)
-            for r in rs:
-                tg.start_soon(a.load, r)
+            for i in range(3):
+                tg.start_soon(load, i)
             # 4 KiB small view: two of the three 2 KiB batches form a group, the third
             # starts another (both wait for the slab: two places in its queue, not three)
             await until(lambda: a.recv_slab_stats["waiting"] == 2 and
@@ -579,6 +584,10 @@ async def test_batches_that_wait_for_a_slab_go_out_in_one_copy():
         m = a.metrics.peer(1)
         assert (m.batches_received, m.batches_merged) == (3, 1)
         assert b.metrics.peer(0).batches_sent == 3
+        # each load is charged its share of its copy: 4 KiB (the small view) for the
+        # group of two, all of the second group's 4 KiB for the one alone
+        shares = sorted(r.wire_bytes for r in results.values())
+        assert shares == [2 * KiB, 2 * KiB, 4 * KiB] and sum(r.blocks for r in results.values()) == 6
         for r in [first, *rs]:
             check(cs[0], cs, r)
 

@@ -166,7 +166,9 @@ class EndpointConfig:
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What one :meth:`Endpoint.load` moved."""
+    """What one :meth:`Endpoint.load` moved: ``batches`` planned, ``blocks`` and
+    ``useful_bytes`` loaded, and ``wire_bytes`` copied for them (a batch merged with others
+    into one copy, ``merge_loads``, is charged its share of that copy, by payload)."""
 
     batches: int
     blocks: int
