@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xavier_async.layout import SEGMENT_ALIGN, CacheLayout
-from xavier_async.merging import LoadGroup, MergedBatch, own_copy
+from xavier_async.merging import LoadGroup, Member, MergedBatch, own_copy
 from xavier_async.planning import Planner, segments_from_wire
 from xavier_async.errors import PeerLostError
 
@@ -129,6 +129,6 @@ def test_shares_and_failures_reach_every_member_once():
 def test_a_merged_batch_of_one_is_that_batch():
     layout = CacheLayout.of({0: torch.zeros(8, 4), 1: torch.zeros(8, 2)})
     (batch,) = Planner(layout, 1024).plan({1: {0: {5: 3}, 1: {5: 3}}})
-    one = MergedBatch(1, [(0, batch)], batch.nbytes)
+    one = MergedBatch(1, [Member(batch, 0)], batch.nbytes)
     assert one.wire() == batch.wire() and one.segments == batch.segments
     assert one.parts() == [(0, batch)]

@@ -665,14 +665,21 @@ class Endpoint:
         a failure, never in steady state)."""
         recv = self._recv
         assert recv is not None
-        ticket = recv.pool.enqueue(large)
+        return recv.slabs[await self._take(recv.pool.enqueue(large))]
+
+    async def _take(self, ticket: Ticket) -> int:
+        """Wait for ``ticket``'s slab; first, if fences have left the pool short and the
+        ticket must wait, register a replacement (it joins the pool: granted to the first
+        waiter). A failure or a cancellation cancels the ticket: it takes nothing."""
+        recv = self._recv
+        assert recv is not None
         try:
             if not ticket.granted and recv.short():
-                await self._add_recv_slab()  # joins the pool: granted to the first waiter
+                await self._add_recv_slab()
         except BaseException:
             ticket.cancel()
             raise
-        return recv.slabs[await ticket.take()]
+        return await ticket.take()
 
     async def _add_recv_slab(self) -> None:
         """Allocate and register one more receive slab (replacing a fenced one)."""
@@ -683,7 +690,8 @@ class Endpoint:
         slab = allocate_slab("recv", sizes.full, sizes.small, self.layout.device, recv.next_index)
         recv.registering += 1
         try:
-            await self.transport.add_recv_slab(slab)
+            with anyio.CancelScope(shield=True):  # registered and pooled, or neither
+                await self.transport.add_recv_slab(slab)
         except XavierError:
             raise
         except Exception as exc:
@@ -790,16 +798,13 @@ class Endpoint:
         index: int | None = None
         src = group.src
         try:
-            try:
-                if not group.ticket.granted and recv.short():
-                    await self._add_recv_slab()  # joins the pool: granted to the first waiter
-            except XavierError as exc:
-                group.ticket.cancel()
-                group.fail(exc)
-                return
             if group.members:  # (the last member to leave cancels the ticket and this scope)
                 with anyio.CancelScope() as group.scope:
-                    index = await group.ticket.take()
+                    try:
+                        index = await self._take(group.ticket)
+                    except XavierError as exc:  # a replacement slab could not be registered
+                        group.fail(exc)
+                        return
             group.started = True
             self._close_group(group)
             if index is None or not group.members:  # every member left before the slab came
@@ -837,8 +842,8 @@ class Endpoint:
                 continue
             m.base = 0
             try:
-                m.land(await self._load_into(
-                    group.src, MergedBatch(group.src, [(0, m.batch)], m.batch.nbytes, [m]), slab, lent))
+                m.land(await self._load_into(group.src, MergedBatch(group.src, [m], m.batch.nbytes),
+                                             slab, lent))
             except XavierError as exc:
                 m.fail(exc)
                 if not lent[0]:  # fenced: the rest cannot use this slab

@@ -113,8 +113,7 @@ class LoadGroup:
 
     def merged(self) -> MergedBatch:
         """The group as one batch (what is requested and copied)."""
-        return MergedBatch(self.src, [(m.base, m.batch) for m in self.members], self.nbytes,
-                           self.members)
+        return MergedBatch(self.src, self.members, self.nbytes)
 
     def share(self, wire_bytes: int) -> None:
         """Charge each member its share of the copy's ``wire_bytes`` (by payload)."""
@@ -129,28 +128,24 @@ class LoadGroup:
 
 
 class MergedBatch:
-    """Several batches as one: what the receiver requests (:meth:`wire`) and copies
+    """Members as one batch: what the receiver requests (:meth:`wire`) and copies
     (``nbytes``). :meth:`parts` names what is unpacked: every member not cancelled."""
 
-    __slots__ = ("src", "_parts", "nbytes", "_members")
+    __slots__ = ("src", "members", "nbytes")
 
-    def __init__(self, src: int, parts: list[tuple[int, PlannedBatch]], nbytes: int,
-                 members: list[Member] | None = None) -> None:
-        self.src, self._parts, self.nbytes = src, parts, nbytes
-        self._members = members
+    def __init__(self, src: int, members: list[Member], nbytes: int) -> None:
+        self.src, self.members, self.nbytes = src, members, nbytes
 
     def wire(self) -> list[Any]:
         """The members' wire forms back to back (each starts with explicit keys)."""
         out: list[Any] = []
-        for _, batch in self._parts:
-            out.extend(batch.wire())
+        for m in self.members:
+            out.extend(m.batch.wire())
         return out
 
     def parts(self) -> list[tuple[int, PlannedBatch]]:
         """``(base, batch)`` of each member to unpack (those not cancelled)."""
-        if self._members is None:
-            return list(self._parts)
-        return [(m.base, m.batch) for m in self._members if not m.cancelled]
+        return [(m.base, m.batch) for m in self.members if not m.cancelled]
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -160,14 +155,14 @@ class MergedBatch:
 
     @property
     def useful_bytes(self) -> int:
-        return sum(b.useful_bytes for _, b in self._parts)
+        return sum(m.batch.useful_bytes for m in self.members)
 
     @property
     def blocks(self) -> int:
-        return sum(b.blocks for _, b in self._parts)
+        return sum(m.batch.blocks for m in self.members)
 
     def __repr__(self) -> str:
-        return f"MergedBatch(src={self.src}, nbytes={self.nbytes}, parts={len(self._parts)})"
+        return f"MergedBatch(src={self.src}, nbytes={self.nbytes}, members={len(self.members)})"
 
 
 __all__ = ["LoadGroup", "Member", "MergedBatch", "own_copy"]
