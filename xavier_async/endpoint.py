@@ -272,8 +272,9 @@ class Endpoint:
     @property
     def recv_slab_stats(self) -> dict[str, int]:
         """Receive slabs: ``registered``, ``pool`` (K), ``usable`` (in the pool, free or
-        lent), ``in_use``, ``waiting`` (loads waiting for one), ``fenced_now`` (a lost
-        source may still write them), ``spares``, and how many were ever ``fences``,
+        lent), ``in_use``, ``waiting`` (loads waiting for one; a group of merged batches
+        counts once), ``fenced_now`` (a lost source may still write them), ``spares``,
+        and how many were ever ``fences``,
         ``released_late`` (the stale writer's late reply arrived) and
         ``released_reconnect``; ``send_slabs`` (S), ``sends_in_use``, and
         ``registered_at_start`` (S + K memory registrations) against
