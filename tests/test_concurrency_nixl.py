@@ -85,3 +85,74 @@ async def test_nixl_many_loads_in_flight_from_two_processes():
     finally:
         for p in procs:
             p.close()
+
+
+def _untouched(caches, request) -> bool:
+    """Every destination slot of ``request`` still holds zeros."""
+    return all(not caches[layer][slot].any() for layers in request.values()
+               for layer, blocks in layers.items() for slot in blocks.values())
+
+
+@pytest.mark.asyncio
+async def test_nixl_concurrent_loads_under_injected_faults_never_write_a_wrong_byte():
+    """Rounds of 16 concurrent loads from two source processes whose transports fail and
+    stall writes at random, with some loads cancelled after a random short delay, so that
+    merged groups meet failures and cancellations. Every load that returns has exactly the
+    source's bytes; every load that fails left its slots untouched; a cancelled load either
+    left them untouched or completed (never a mix, never a wrong byte)."""
+    expected = {r: pattern_caches(SPEC, r, SEED) for r in (1, 2)}
+    local = {layer: t.zero_() for layer, t in pattern_caches(SPEC, 0, SEED, HERE).items()}
+    cfg = dict(full_bytes=16 * KiB, small_bytes=4 * KiB)   # a small group: up to 8 blocks
+    faults = {"write_failure_rate": 0.15, "write_stall_rate": 0.2, "stall_seconds": 0.005}
+    procs = {r: PeerProcess(PeerSpec(rank=r, layout=SPEC, seed=SEED, config=cfg, torch_threads=1,
+                                     faults={**faults, "seed": r}, device=THERE)) for r in (1, 2)}
+    outcomes = {"ok": 0, "failed": 0, "cancelled": 0}
+    try:
+        async with Endpoint(0, local, NixlTransport(),
+                            EndpointConfig(**cfg, request_timeout=10.0)) as ep:
+            rng = random.Random(7)
+
+            async def one(i: int, request: dict) -> None:
+                try:
+                    if i % 5 == 4:
+                        with anyio.move_on_after(rng.uniform(0, 0.003)) as scope:
+                            await ep.load(request)
+                        if scope.cancelled_caught:
+                            outcomes["cancelled"] += 1
+                            if not _untouched(ep.caches, request):   # all or nothing
+                                check_loaded(ep.caches, request, expected)
+                            return
+                    else:
+                        await ep.load(request)
+                except Exception as exc:  # an injected failure: nothing written
+                    from xavier_async import XavierError
+                    assert isinstance(exc, XavierError), exc
+                    outcomes["failed"] += 1
+                    assert _untouched(ep.caches, request), f"a failed load wrote its slots: {exc!r}"
+                    return
+                assert check_loaded(ep.caches, request, expected) > 0
+                outcomes["ok"] += 1
+
+            with anyio.fail_after(120):
+                for _ in range(6):
+                    for r, p in procs.items():  # a peer lost to a fault: connect it again
+                        if r not in ep.peers:
+                            await ep.connect(p.address)
+                    requests = []
+                    for i in range(16):
+                        src = 1 + i % 2
+                        keys = rng.sample(range(SPEC.num_slots), rng.choice([1, 2, 4]))
+                        layers = [0] if len(keys) < 4 else list(range(SPEC.layers))
+                        requests.append({src: {layer: {k: 4 * i + j for j, k in enumerate(keys)}
+                                               for layer in layers}})
+                    for request in requests:
+                        zero_slots(ep.caches, request)
+                    async with anyio.create_task_group() as tg:
+                        for i, request in enumerate(requests):
+                            tg.start_soon(one, i, request)
+            merged = sum(ep.metrics.peer(r).batches_merged for r in procs)
+        assert outcomes["ok"] > 0 and outcomes["failed"] > 0, outcomes   # faults really hit
+        assert merged > 0, "no batch was merged: the faults met no group"
+    finally:
+        for p in procs.values():
+            p.close()

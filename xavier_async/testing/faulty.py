@@ -71,6 +71,11 @@ class _Stalled:
     target: Any = None
     #: a held write waits for this instead of ``delay`` (:meth:`FaultyTransport.hold_next_writes`)
     gate: anyio.Event | None = None
+    #: the channel was reset or the peer dropped while it was held: its mapping's handles
+    #: are gone, so it fails instead of being posted on them
+    orphaned: bool = False
+    #: the inner transport's connection it was stalled on (a new one has new handles)
+    owner: Any = None
 
 
 class FaultyTransport(Transport):
@@ -232,7 +237,8 @@ class FaultyTransport(Transport):
                 delay = self._stall_writes.pop(0) if self._stall_writes else self.plan.stall_seconds
             self.injected.writes_stalled += 1
             target = self.inner.target(peer, mapping) if self.plan.late_writes_land else None  # type: ignore[attr-defined]
-            stalled = _Stalled(peer, mapping, nbytes, notify, delay, fail, target, gate)
+            stalled = _Stalled(peer, mapping, nbytes, notify, delay, fail, target, gate,
+                               owner=getattr(self.inner, "_peers", {}).get(peer))
             self._stalled.append(stalled)
             for n, event in [w for w in self._stall_waiters if w[0] <= self.injected.writes_stalled]:
                 self._stall_waiters.remove((n, event))
@@ -280,6 +286,8 @@ class FaultyTransport(Transport):
                         other.host.deliver_late(self._host.rank, pending.notify)
                     return
             self._check(pending.peer)
+            if pending.orphaned or getattr(self.inner, "_peers", {}).get(pending.peer) is not pending.owner:
+                raise TransferError(f"a stalled write to rank {pending.peer} outlived its channel")
             if pending.fail:
                 self.injected.writes_failed += 1
                 raise TransferError(f"injected write failure to rank {pending.peer} (after a stall)")
@@ -294,10 +302,20 @@ class FaultyTransport(Transport):
         self._check(peer)
         await self.inner.send(peer, msg)
 
+    def _orphan(self, peer: int) -> None:
+        """Stalled writes to ``peer`` lose their mappings (a real write would be posted
+        already, and its handle released only once it is terminal; a stalled one here is
+        not posted yet, so it must never be posted on a released handle)."""
+        for w in self._stalled:
+            if w.peer == peer:
+                w.orphaned = True
+
     async def forget(self, peer: int) -> None:
+        self._orphan(peer)
         await self.inner.forget(peer)
 
     async def disconnect(self, peer: int) -> None:
+        self._orphan(peer)
         await self.inner.disconnect(peer)
 
     async def aclose(self) -> None:
