@@ -90,13 +90,17 @@ class LoadGroup:
         """Whether ``batch`` can still join (the group has not started and has room)."""
         return not self.started and align_up(self.nbytes, SEGMENT_ALIGN) + batch.nbytes <= self.limit
 
+    def _place(self, m: Member) -> None:
+        """Put ``m`` at the next aligned base after the members so far (the one layout rule)."""
+        m.base = align_up(self.nbytes, SEGMENT_ALIGN)
+        self.nbytes = m.base + m.batch.nbytes
+
     def add(self, batch: PlannedBatch) -> Member:
         if not self.fits(batch):
             raise ValueError("the batch does not fit this group")
-        base = align_up(self.nbytes, SEGMENT_ALIGN)
-        m = Member(batch, base)
+        m = Member(batch, 0)
+        self._place(m)
         self.members.append(m)
-        self.nbytes = base + batch.nbytes
         return m
 
     def remove(self, member: Member) -> None:
@@ -105,11 +109,9 @@ class LoadGroup:
         if self.started:
             raise ValueError("a started group keeps its members")
         self.members.remove(member)
-        end = 0
+        self.nbytes = 0
         for m in self.members:
-            m.base = align_up(end, SEGMENT_ALIGN)
-            end = m.base + m.batch.nbytes
-        self.nbytes = end
+            self._place(m)
 
     def merged(self) -> MergedBatch:
         """The group as one batch (what is requested and copied)."""
