@@ -52,6 +52,7 @@ import torch
 from ..endpoint import Endpoint, EndpointConfig
 from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requests, pattern_caches, \
     replay_loads, split_caches, zero_caches
+from ..stages import LoadStages
 from .raw import RAW_COPIES, raw_floor
 from .soak import _rss_kib
 from .suite import BenchOptions, bench_layout, make_trace, nearest_rank, stats, target
@@ -331,8 +332,16 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
             def theirs(name: str) -> list[Load] | None:
                 return None if peer_phases is None else peer_phases[name]
 
+            async def stage_snapshots() -> dict[str, LoadStages]:
+                out = {names[0]: LoadStages.from_dict(ep.snapshot_metrics().get("stages", {}))}
+                for p in peers:
+                    out[names[p.spec.rank]] = LoadStages.from_dict(
+                        (await _peer_call(p, "metrics")).get("stages", {}))
+                return out
+
             mine: dict[str, Timing] = {}
             peer_t: dict[str, Timing] = {}
+            stages: dict[str, Any] = {}
             await ph.run(phases["warm"], CONCURRENCY, theirs("warm"))
             regs0, mem0 = await registrations(), rss()
             mine["unloaded"], _ = await ph.run(phases["unloaded"], 1)
@@ -341,14 +350,14 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
                 assert pt is not None
                 peer_t["unloaded"] = pt
             for name in ("mixed", "concurrent_small", "large_stream"):
+                before = await stage_snapshots()
                 mine[name], pt = await ph.run(phases[name], CONCURRENCY, theirs(name))
+                after = await stage_snapshots()
+                stages[name] = {proc: stage_summary(after[proc].minus(before[proc]).as_dict())
+                                for proc in after}
                 if pt is not None:
                     peer_t[name] = pt
             regs1, mem1 = await registrations(), rss()
-            stages = {names[0]: stage_summary(ep.snapshot_metrics().get("stages", {}))}
-            for p in peers:
-                stages[names[p.spec.rank]] = stage_summary(
-                    (await _peer_call(p, "metrics")).get("stages", {}))
     full_rate = o.full_bytes / (floor["median_us"] * 1e-6)
     out = {**slab_counts(cfg), "topology": "duplex" if duplex else "three",
            "raw_full_copy": {**floor, "gbps": full_rate / 1e9},
@@ -359,7 +368,7 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
         "registrations_after_warmup": {name: regs1[name] - regs0[name] for name in regs0},
         "rss_growth_bytes": {name: (mem1[name] - mem0[name]) * 1024 for name in pids},
         "loader_slots": dest,
-        # per-stage host time over all phases (warm-up included), per process
+        # per phase, per process: each stage's host time during that phase
         "stages": stages,
         # check_phase raises on a wrong byte: reaching here means every block matched
         "bytes_checked": {"loads": ph.loads_checked, "blocks": ph.blocks_checked, "ok": True},
