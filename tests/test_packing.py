@@ -238,7 +238,7 @@ dev = torch.device(os.environ.get("XAVIER_KERNEL_DEVICE", "cpu"))
 src = {0: all_bf16_patterns().view(256, 256).to(dev), 1: torch.randint(0, 256, (64, 7), generator=g, dtype=torch.uint8).to(dev)}
 dst = {0: torch.zeros(256, 256, dtype=torch.bfloat16, device=dev), 1: torch.zeros(64, 7, dtype=torch.uint8, device=dev)}
 runs = packing.DeviceRuns(dev)
-runs.CHUNK = 96                                   # long runs split into several programs
+runs.CHUNK = 96                                   # long runs: several programs each
 layout = CacheLayout.of(dst)
 req = {3: {0: {k: 255 - k for k in range(40)} | {k: k for k in range(100, 140)}, 1: {k: [k + 1, 63 - k] for k in range(20)}}}
 send, recv = torch.zeros(1 << 16, dtype=torch.uint8, device=dev), torch.zeros(1 << 16, dtype=torch.uint8, device=dev)
@@ -246,20 +246,25 @@ st, dt = packing.CacheTable(packing.byte_rows(src)), packing.CacheTable(packing.
 sizes = [512, 7]
 wide = {3: {0: {k: 255 - k for k in range(40, 60)}}}  # aligned rows only: 8-byte words
 batches = Planner(layout, 1 << 16).plan(wide) + Planner(layout, 1 << 16).plan(req)
-for b in batches * 4:  # more launches than pinned table buffers: they are reused
-    ev = packing.pack(packing.SlabRows(send, sizes), b.segments, [list(s.keys) for s in b.segments], st, runs)
-    if ev is not None:
-        ev.synchronize()
-    recv.copy_(send)
-    packing.unpack(packing.SlabRows(recv, sizes), b, dt, runs)
-for k in range(60):
-    assert torch.equal(dst[0][255 - k].view(torch.int16), src[0][k].view(torch.int16)), k
-for k in range(100, 140):
-    assert torch.equal(dst[0][k].view(torch.int16), src[0][k].view(torch.int16)), k
-for k in range(20):
-    assert torch.equal(dst[1][k + 1], src[1][k]) and torch.equal(dst[1][63 - k], src[1][k]), k
-untouched = set(range(60, 100)) | set(range(140, 196))
-assert all(not dst[0][s].view(torch.int16).any() for s in untouched)
+# long runs as a [runs, chunks] grid, then cut into chunks on the host
+for idle in (10**9, 0):
+    runs.MAX_IDLE = idle
+    for t in dst.values():
+        t.zero_()
+    for b in batches * 4:  # more launches than pinned table buffers: they are reused
+        ev = packing.pack(packing.SlabRows(send, sizes), b.segments, [list(s.keys) for s in b.segments], st, runs)
+        if ev is not None:
+            ev.synchronize()
+        recv.copy_(send)
+        packing.unpack(packing.SlabRows(recv, sizes), b, dt, runs)
+    for k in range(60):
+        assert torch.equal(dst[0][255 - k].view(torch.int16), src[0][k].view(torch.int16)), (idle, k)
+    for k in range(100, 140):
+        assert torch.equal(dst[0][k].view(torch.int16), src[0][k].view(torch.int16)), (idle, k)
+    for k in range(20):
+        assert torch.equal(dst[1][k + 1], src[1][k]) and torch.equal(dst[1][63 - k], src[1][k]), (idle, k)
+    untouched = set(range(60, 100)) | set(range(140, 196))
+    assert all(not dst[0][s].view(torch.int16).any() for s in untouched), idle
 print("ok")
 """
 
@@ -267,7 +272,7 @@ print("ok")
 def test_fused_kernel_under_the_triton_interpreter():
     """The CUDA pack/unpack kernel, run by Triton's CPU interpreter on host memory: all
     65,536 BF16 patterns, scattered and reversed slots, fan-out, an odd block size (the
-    byte-wise variant) and runs split across programs."""
+    byte-wise variant) and long runs, as a grid of chunks and cut into chunks on the host."""
     pytest.importorskip("triton")
     import os
     import subprocess

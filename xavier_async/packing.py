@@ -322,7 +322,7 @@ def run_host(table: RunTable) -> None:
 
 class DeviceRuns:
     """Executes run tables on one CUDA device: one fused launch per table (a Triton kernel
-    over a ``[runs, 3]`` table of addresses, each program copying one chunk) on the
+    over a ``[runs, 3]`` table of addresses, a program per chunk of each run) on the
     current stream of the device (or ``stream``), and returns an event recorded after it.
     Nothing here synchronizes the device or any stream: callers wait on the event (the
     source, before posting the WRITE) or make a stream wait on it (the receiver,
@@ -336,10 +336,13 @@ class DeviceRuns:
     has completed, so the event returned by :meth:`run` may later be recorded again, for
     later work on the same stream: waiting on it then waits for more, never for less."""
 
-    #: bytes per program (runs longer than this are split)
+    #: bytes per program (a longer run gets several programs); a multiple of 16
     CHUNK = 64 * 1024
     #: pinned table buffers used in turn
     RING = 8
+    #: idle programs a ``[runs, chunks]`` grid may have (beyond as many as it has busy
+    #: ones) before the long runs are cut into chunks on the host instead
+    MAX_IDLE = 1024
 
     def __init__(self, device: torch.device, stream: Any | None = None) -> None:
         import numpy  # noqa: PLC0415 - only the device path needs it
@@ -367,6 +370,19 @@ class DeviceRuns:
             t = self._tables[i] = torch.empty((cap, 3), dtype=torch.int64, pin_memory=self._cuda)
         return t
 
+    def _split(self, i: int, table: Any, pieces: Any, rows: int) -> tuple[torch.Tensor, int]:
+        """Buffer ``i`` refilled with ``table``'s runs cut into chunks (one row each)."""
+        np, chunk = self._np, self.CHUNK
+        n = len(table)
+        which = np.repeat(np.arange(n), pieces)
+        off = (np.arange(rows) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * chunk
+        t = self._table(i, rows)
+        a = t.numpy()
+        a[:rows, 0] = table[which, 0] + off
+        a[:rows, 1] = table[which, 1] + off
+        a[:rows, 2] = np.minimum(table[which, 2] - off, chunk)
+        return t, rows
+
     def _stream(self) -> tuple[int, Any]:
         """(raw handle, torch stream) of the stream to launch on."""
         if self.stream is not None:
@@ -384,35 +400,30 @@ class DeviceRuns:
         n = len(ns)
         if not n:
             return None
-        np, chunk = self._np, self.CHUNK
+        chunk = self.CHUNK
+        chunks = (max(ns) + chunk - 1) // chunk  # programs per row (a long run: several)
         i = self._turn
         self._turn = (i + 1) % self.RING
-        if max(ns) <= chunk:
-            t = self._table(i, n)
-            a = t.numpy()
-            a[:n, 0] = src
-            a[:n, 1] = dst
-            a[:n, 2] = ns
-            rows = n
-        else:  # split long runs into chunks, one program each
-            s64, d64, n64 = (np.asarray(x, dtype=np.int64) for x in (src, dst, ns))
-            pieces = (n64 + chunk - 1) // chunk
-            rows = int(pieces.sum())
-            which = np.repeat(np.arange(n), pieces)
-            off = (np.arange(rows) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * chunk
-            t = self._table(i, rows)
-            a = t.numpy()
-            a[:rows, 0] = s64[which] + off
-            a[:rows, 1] = d64[which] + off
-            a[:rows, 2] = np.minimum(n64[which] - off, chunk)
-        wide = not int(np.bitwise_or.reduce(a[:rows], axis=None)) & 15
+        t = self._table(i, n)
+        a = t.numpy()
+        a[:n, 0] = src
+        a[:n, 1] = dst
+        a[:n, 2] = ns
+        rows = n
+        if chunks > 1 and n * chunks > self.MAX_IDLE:
+            pieces = (a[:n, 2] + (chunk - 1)) // chunk
+            needed = int(pieces.sum())
+            if n * chunks - needed > max(needed, self.MAX_IDLE):  # few long runs, many short:
+                t, rows = self._split(i, a[:n].copy(), pieces, needed)  # split them here
+                a, chunks = t.numpy(), 1
+        wide = not int(self._np.bitwise_or.reduce(a[:rows], axis=None)) & 15
         if not self._cuda:  # Triton's interpreter (the CPU tests)
-            self._launch(t, rows, wide, chunk, None)
+            self._launch(t, rows, chunks, wide, chunk, None)
             return None
         handle, stream = self._stream()
-        if not self._launch(t, rows, wide, chunk, handle):
+        if not self._launch(t, rows, chunks, wide, chunk, handle):
             with torch.cuda.stream(stream):  # the generic launch uses the current stream
-                self._launch(t, rows, wide, chunk, None)
+                self._launch(t, rows, chunks, wide, chunk, None)
         ev = self._events[i]
         if ev is None:
             ev = self._events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
