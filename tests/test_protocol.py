@@ -122,7 +122,7 @@ def test_decide_follows_the_machine_and_the_mappings():
     assert decide(parsed, _published(), policy, set()) == NeedsMapping("full")
     ready = decide(parsed, _published(), policy, {("full", 0)})
     assert isinstance(ready, Ready) and ready.view == "full"
-    assert ready.slot_lists == [[1, 2], [6, 5]]
+    assert [list(s) for s in ready.slot_lists] == [[1, 2], [6, 5]]
     policy.commit(parsed.payload)          # first small batch: streak_1, full view
     assert decide(parsed, _published(), policy, {("full", 0)}) == NeedsMapping("small")
     assert decide(parsed, _published(), policy, {("full", 0), ("small", 0)}).view == "small"
@@ -242,3 +242,29 @@ def test_hellos_without_a_common_layer_are_refused():
     peer = Hello(1, other.wire(), SlabSizes(FULL, SMALL), "cpu").to_wire()
     with pytest.raises(LayoutMismatchError, match="no layer id in common"):
         check_hello(local, peer, LAYOUT)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 1, 2]), st.lists(st.integers(0, 9), max_size=6),
+                          st.booleans()), min_size=1, max_size=6),
+       st.dictionaries(st.sampled_from([0, 1, 2]),
+                       st.dictionaries(st.integers(0, 9), st.integers(0, 99), max_size=10)))
+def test_slots_of_matches_one_lookup_per_key(segments, published):
+    """``slots_of`` (one C call per segment, segments repeating the previous keys share
+    them) gives exactly the per-key lookup, or refuses naming a key that is missing."""
+    from xavier_async.planning import Segment
+    from xavier_async.protocol import slots_of
+    segs, prev = [], ()
+    for layer, keys, repeat in segments:
+        keys = prev if repeat and segs else tuple(keys)  # the same tuple object, as from the wire
+        segs.append(Segment(layer, keys, 0, 8))
+        prev = keys
+    got = slots_of(ParsedLoad(7, segs, 8, 8), published)
+    try:
+        want = [[published.get(s.layer, {})[k] for k in s.keys] for s in segs]
+    except KeyError:
+        assert isinstance(got, Refuse) and got.req_id == 7
+        assert "not published" in str(got.error)
+        return
+    assert not isinstance(got, Refuse)
+    assert [list(s) for s in got] == want

@@ -27,7 +27,8 @@ Everything here can be fed arbitrary bytes: malformed input raises :class:`Proto
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Any, Final, Union
 
@@ -423,7 +424,7 @@ class Ready:
     """Serve now: pack ``slot_lists`` into the send slab and write through ``view``."""
 
     load: ParsedLoad
-    slot_lists: list[list[int]]
+    slot_lists: list[Sequence[int]]
     view: View
 
     @property
@@ -474,14 +475,33 @@ def check_epoch(req_id: int, epoch: int, min_epoch: int) -> Refuse | None:
     return None
 
 
+def _no_slots(table: Mapping[BlockKey, int]) -> tuple[int, ...]:
+    return ()
+
+
+def _getter(keys: tuple[BlockKey, ...]) -> Callable[[Mapping[BlockKey, int]], Any]:
+    """``table -> the slots of keys`` (a sequence, also for one key or none)."""
+    if len(keys) > 1:
+        return itemgetter(*keys)
+    if keys:
+        key = keys[0]
+        return lambda table: (table[key],)
+    return _no_slots
+
+
 def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]],
-             ) -> list[list[int]] | Refuse:
+             ) -> list[Sequence[int]] | Refuse:
     """Source slots of every segment's keys, or a refusal naming the unpublished ones."""
-    slot_lists = []
+    slot_lists: list[Sequence[int]] = []
+    keys: tuple[BlockKey, ...] | None = None
+    get: Callable[[Mapping[BlockKey, int]], Any] = _no_slots
     for seg in load.segments:
         table = published.get(seg.layer, {})
+        if seg.keys is not keys:  # (segments that repeat the previous keys share them)
+            keys = seg.keys
+            get = _getter(keys)
         try:
-            slot_lists.append([table[k] for k in seg.keys])
+            slot_lists.append(get(table))  # one C call for every key of the segment
         except (KeyError, TypeError):  # unknown or unhashable keys
             missing = [k for k in seg.keys if not isinstance(k, (int, str, bytes)) or k not in table]
             return Refuse(load.req_id, InvalidRequestError(
