@@ -364,30 +364,3 @@ async def test_a_timed_out_copy_keeps_its_handle_until_it_is_terminal():
         assert ta.agent.released.count(stuck[0]) == 1 and ta.agent.errors == []
         await b.load({0: {0: {"k": 7}}})
         assert torch.equal(dst[0][7], src[0][3])
-
-
-async def test_post_spins_only_on_a_small_copy_with_nothing_else_in_flight():
-    """``post`` busy-polls a copy of at most ``spin_bytes`` only while no other copy is in
-    flight; a larger copy, or one posted under load, goes to the event loop at once."""
-    fabric = FakeFabric()
-    async with nodes(2, fabric, spin=0.002, spin_bytes=SMALL) as (a, b):
-        await a.t.connect(b.t.address)
-        full, small = await a.t.map_view(1, a.send.full), await a.t.map_view(1, a.send.small)
-        polls = []
-        check = a.agent.check_xfer_state
-        a.agent.check_xfer_state = lambda h: polls.append(h) or check(h)  # type: ignore[method-assign]
-        fabric.hold_copies = True
-        want = fill(a, 4)
-        large = a.t.post(1, full, SMALL + 16, None)  # above spin_bytes: not spun on
-        assert isinstance(large, _Pending) and polls == []
-        busy = a.t.post(1, small, SMALL, None)  # small, but a copy is in flight: not spun on
-        assert isinstance(busy, _Pending) and polls == []
-        a.agent.finish()
-        for p in (large, busy):
-            await a.t.wait(p)
-        polls.clear()
-        alone = a.t.post(1, small, SMALL, None)  # small and alone: spun on (held: still PROC)
-        assert isinstance(alone, _Pending) and len(polls) > 1
-        a.agent.finish()
-        await a.t.wait(alone)
-        assert torch.equal(b.recv.tensor[:SMALL], want[:SMALL])
