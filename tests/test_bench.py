@@ -305,11 +305,18 @@ def test_slab_counts_reach_the_config():
     assert config_kwargs(3, full_bytes=FULL) == {"full_bytes": FULL, "receive_slabs": 3, "send_slabs": 3,
                                                  "merge_loads": True}
     assert config_kwargs(None, False, full_bytes=FULL) == {"full_bytes": FULL, "merge_loads": False}
+    small = EndpointConfig(full_bytes=FULL).small_bytes
     assert slab_counts(config_for(3, full_bytes=FULL)) == {"receive_slabs": 3, "send_slabs": 3,
-                                                           "merge_loads": True}
+                                                           "merge_loads": True,
+                                                           "merge_small_bytes": small}
+    assert slab_counts(config_for(3, full_bytes=FULL, merge_small_bytes=FULL))["merge_small_bytes"] == FULL
     default = EndpointConfig()
     assert slab_counts(config_for(None)) == {"receive_slabs": default.receive_slabs,
-                                             "send_slabs": default.send_slabs, "merge_loads": True}
+                                             "send_slabs": default.send_slabs, "merge_loads": True,
+                                             "merge_small_bytes": default.small_bytes}
+    from xavier_async.bench.suite import BenchOptions
+    with pytest.raises(ValueError, match="serving_merge_small"):
+        BenchOptions(serving_merge_small=1024)  # below the small view
     assert RUNS == (("seed", 1, False), ("k1", 1, True), ("default", None, True))
 
 

@@ -593,6 +593,47 @@ async def test_batches_that_wait_for_a_slab_go_out_in_one_copy():
 
 
 @anyio_test
+async def test_merge_small_bytes_lets_a_group_of_small_batches_grow_past_the_small_view():
+    """With ``merge_small_bytes`` above the small view, small batches that wait merge up to
+    it: three 2 KiB batches ride in one copy (through the full view: 6 KiB exceeds the
+    4 KiB small view), each charged a third of it; every byte checked."""
+    cs = caches(2)
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, receive_slabs=1, send_slabs=1,
+                         merge_small_bytes=8 * KiB)
+    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        rs = [req(1, [10 + i, 20 + i], slot0=2 * i) for i in range(3)]   # 2 KiB each
+        results = {}
+
+        async def load(i: int) -> None:
+            results[i] = await a.load(rs[i])
+
+        async with releasing(b) as tg:
+            first = await _fill_the_slab(a, b, tg)
+            for i in range(3):
+                tg.start_soon(load, i)
+            await until(lambda: len(getattr(a._forming.get((1, False)), "members", ())) == 3,
+                        "one group of three")
+            assert a.recv_slab_stats["waiting"] == 1
+            b.transport.release_held()
+        m = a.metrics.peer(1)
+        assert (m.batches_received, m.batches_merged) == (2, 2)
+        assert sorted(r.wire_bytes for r in results.values()) == [16 * KiB // 3] * 3
+        for r in [first, *rs]:
+            check(cs[0], cs, r)
+
+
+def test_merge_small_bytes_is_validated_against_the_views():
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB)
+    assert cfg.merge_small_bytes == 4 * KiB                     # default: the small view
+    assert EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB,
+                          merge_small_bytes=16 * KiB).merge_small_bytes == 16 * KiB
+    for bad in (2 * KiB, 17 * KiB, 4.5 * KiB, True, "8KiB"):
+        with pytest.raises(Exception, match="merge_small_bytes"):
+            EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, merge_small_bytes=bad)
+
+
+@anyio_test
 async def test_merging_off_is_one_copy_per_batch():
     cs = caches(2)
     cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, receive_slabs=1, send_slabs=1,

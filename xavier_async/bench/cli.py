@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the receive/send slab count of the serving section's default run, "
                         "compared with K=1 (the seed's design, and K=1 merging waiting batches); "
                         "default: the engine's default")
+    b.add_argument("--serving-merge-small", type=_size, metavar="SIZE", default=None,
+                   help="EndpointConfig.merge_small_bytes of the serving section's merged runs "
+                        "(how large a group of waiting small batches may grow); default: the "
+                        "engine's default (the small view)")
     b.add_argument("--soak", type=_positive, metavar="N",
                    help="instead of the sections: N loads over NIXL between processes with "
                         "injected faults, cancellations and a peer restart, every byte checked")
@@ -157,7 +161,8 @@ def _bench(args: argparse.Namespace) -> int:
                             descriptors=args.descriptors, seed=args.seed, quick=args.quick,
                             pin_cpus=args.pin, compare=args.compare, serving=args.serving,
                             serving_topology=args.serving_topology,
-                            serving_slabs=args.serving_slabs)
+                            serving_slabs=args.serving_slabs,
+                            serving_merge_small=args.serving_merge_small)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2

@@ -101,7 +101,7 @@ def config_for(k: int | None, merge: bool = True, **base: Any) -> EndpointConfig
 def slab_counts(cfg: EndpointConfig) -> dict[str, Any]:
     """Receive and send slabs per endpoint, and whether waiting batches are merged."""
     return {"receive_slabs": cfg.receive_slabs, "send_slabs": cfg.send_slabs,
-            "merge_loads": cfg.merge_loads}
+            "merge_loads": cfg.merge_loads, "merge_small_bytes": cfg.merge_small_bytes}
 
 
 # -- loads --------------------------------------------------------------------------------------
@@ -289,6 +289,8 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
     # every (send slab, view, receive slab) is mapped as peers join, as a serving engine
     # would configure it: registrations are then flat whatever pairs the traffic uses
     base: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, map_eagerly=True)
+    if merge and o.serving_merge_small is not None:
+        base["merge_small_bytes"] = o.serving_merge_small
     cfg = config_for(k, merge, **base)
     cuda, duplex = device == "cuda", peer_phases is not None
     published = src_layout.num_slots
@@ -406,8 +408,10 @@ async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: Non
     phases, peer_phases = (duplex_phases(o, src_layout) if topology == "duplex"
                            else (phase_loads(o, src_layout), None))
     mixed = phases["mixed"]
+    extra: dict[str, Any] = ({} if o.serving_merge_small is None
+                             else {"merge_small_bytes": o.serving_merge_small})
     default_k = slab_counts(config_for(o.serving_slabs, full_bytes=o.full_bytes,
-                                       small_bytes=o.small_bytes))
+                                       small_bytes=o.small_bytes, **extra))
     runs = {}
     for name, k, merge in RUNS:
         report(f"serving {name}")

@@ -93,6 +93,8 @@ class BenchOptions:
     serving_topology: str = "auto"
     #: the slab count compared with K=1 (receive and send slabs; None: the engine's default)
     serving_slabs: int | None = None
+    #: ``merge_small_bytes`` of the merged serving runs (None: the engine's default)
+    serving_merge_small: int | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):
@@ -104,6 +106,11 @@ class BenchOptions:
         if self.serving_slabs is not None and (type(self.serving_slabs) is not int
                                                or not 1 <= self.serving_slabs <= 1024):
             raise ValueError(f"serving_slabs must be an int from 1 to 1024, got {self.serving_slabs!r}")
+        if self.serving_merge_small is not None and (
+                type(self.serving_merge_small) is not int
+                or not self.small_bytes <= self.serving_merge_small <= self.full_bytes):
+            raise ValueError("serving_merge_small must be an int from the small view to the full "
+                             f"slab, got {self.serving_merge_small!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         for name in ("full_bytes", "small_bytes", "copies", "warmup", "loads", "trace_batches",
