@@ -561,21 +561,28 @@ async def _group_of_two(a, b, tg, leaving) -> tuple[dict, dict]:
     return first, stay
 
 
+async def _three_waiting(a, b, tg, results: dict) -> tuple[dict, list[dict]]:
+    """Fill the slab, then start three loads of 2 KiB each that wait for it (their
+    results go to ``results``): (the first load, the three)."""
+    rs = [req(1, [10 + i, 20 + i], slot0=2 * i) for i in range(3)]
+
+    async def load(i: int) -> None:
+        results[i] = await a.load(rs[i])
+
+    first = await _fill_the_slab(a, b, tg)
+    for i in range(3):
+        tg.start_soon(load, i)
+    return first, rs
+
+
 @anyio_test
 async def test_batches_that_wait_for_a_slab_go_out_in_one_copy():
     cs = caches(2)
     async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
         publish(b)
-        rs = [req(1, [10 + i, 20 + i], slot0=2 * i) for i in range(3)]   # 2 KiB each
-        results = {}
-
-        async def load(i: int) -> None:
-            results[i] = await a.load(rs[i])
-
+        results: dict = {}
         async with releasing(b) as tg:
-            first = await _fill_the_slab(a, b, tg)
-            for i in range(3):
-                tg.start_soon(load, i)
+            first, rs = await _three_waiting(a, b, tg, results)
             # 4 KiB small view: two of the three 2 KiB batches form a group, the third
             # starts another (both wait for the slab: two places in its queue, not three)
             await until(lambda: a.recv_slab_stats["waiting"] == 2 and
@@ -602,16 +609,9 @@ async def test_merge_small_bytes_lets_a_group_of_small_batches_grow_past_the_sma
                          merge_small_bytes=8 * KiB)
     async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
         publish(b)
-        rs = [req(1, [10 + i, 20 + i], slot0=2 * i) for i in range(3)]   # 2 KiB each
-        results = {}
-
-        async def load(i: int) -> None:
-            results[i] = await a.load(rs[i])
-
+        results: dict = {}
         async with releasing(b) as tg:
-            first = await _fill_the_slab(a, b, tg)
-            for i in range(3):
-                tg.start_soon(load, i)
+            first, rs = await _three_waiting(a, b, tg, results)
             await until(lambda: len(getattr(a._forming.get((1, False)), "members", ())) == 3,
                         "one group of three")
             assert a.recv_slab_stats["waiting"] == 1
