@@ -46,11 +46,11 @@ BLOCK = 1024
 
 
 class Launcher:
-    """Launches :func:`_copy_rows` over a ``[rows, 3]`` table (a ``[rows, chunks]`` grid). The first launch of each
-    variant goes through Triton's generic route (compiling it); later ones call the
-    compiled kernel directly, which skips ~15 us of argument binding per launch. Where a
-    Triton version's compiled kernels cannot be called that way, every launch takes the
-    generic route."""
+    """Launches :func:`_copy_rows` over a ``[rows, 3]`` table as a ``[rows, chunks]`` grid.
+    The first launch of each variant goes through Triton's generic route (compiling it);
+    later ones call the compiled kernel directly, which skips ~15 us of argument binding
+    per launch. Where a Triton version's compiled kernels cannot be called that way, every
+    launch takes the generic route."""
 
     def __init__(self) -> None:
         self._compiled: dict[tuple[bool, int], Any] = {}

@@ -171,10 +171,9 @@ class EndpointConfig:
         check_bool("verify", self.verify)
         check_bool("map_eagerly", self.map_eagerly)
         check_bool("merge_loads", self.merge_loads)
-        if self.merge_small_bytes is None:
-            object.__setattr__(self, "merge_small_bytes", sizes.small)
+        merge_small = sizes.small if self.merge_small_bytes is None else self.merge_small_bytes
         object.__setattr__(self, "merge_small_bytes", check_int(
-            "merge_small_bytes", self.merge_small_bytes, minimum=sizes.small, maximum=sizes.full))
+            "merge_small_bytes", merge_small, minimum=sizes.small, maximum=sizes.full))
         check_size("trim_align", self.trim_align)
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         if not isinstance(self.retry, RetryPolicy):
@@ -251,7 +250,8 @@ class Endpoint:
         self._send: SlabPool = SlabPool(range(self.config.send_slabs))
         #: a batch whose payload exceeds this is "large" (the head-of-line rule)
         self._small = self.config.sizes.small
-        #: the largest group of small batches (EndpointConfig.merge_small_bytes)
+        #: the largest group of small batches (EndpointConfig.merge_small_bytes: an int
+        #: once the config is made; ``or`` only narrows its declared ``int | None``)
         self._merge_small = self.config.merge_small_bytes or self._small
         self._send_slabs: list[Slab] = []
         self._send_rows: list[SlabRows] = []

@@ -8,10 +8,10 @@ loaded one pays one round trip per group instead of one per batch.
 A group holds batches of one source and one head-of-line class: small batches (at most
 the small view) merge up to the small view (or ``EndpointConfig.merge_small_bytes``), so a
 group of small batches keeps its small place in the slab queue; large ones merge up to
-the full slab. Each
-member's segments sit at an aligned base in the slab; the wire form is the members' wire
-forms one after the other, and since every segment offset is aligned, the source computes
-exactly the same offsets from it (:func:`~xavier_async.planning.segments_from_wire`).
+the full slab. Each member's segments sit at an aligned base in the slab; the wire form
+is the members' wire forms one after the other, and since every segment offset is
+aligned, the source computes exactly the same offsets from it
+(:func:`~xavier_async.planning.segments_from_wire`).
 
 A member cancelled before its group starts leaves it (it takes nothing); once the group
 has started (its request is about to go out), a cancelled member is still copied but not

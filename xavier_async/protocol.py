@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
-from operator import itemgetter
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Final, Union
 
 from .errors import (HandshakeError, InvalidRequestError, LayoutMismatchError, PeerLostError,

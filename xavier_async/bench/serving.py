@@ -50,9 +50,9 @@ import anyio
 import torch
 
 from ..endpoint import Endpoint, EndpointConfig
+from ..stages import LoadStages
 from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requests, pattern_caches, \
     replay_loads, split_caches, zero_caches
-from ..stages import LoadStages
 from .raw import RAW_COPIES, raw_floor
 from .soak import _rss_kib
 from .suite import BenchOptions, bench_layout, make_trace, nearest_rank, stats, target
