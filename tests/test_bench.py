@@ -138,7 +138,7 @@ def duplex(tmp_path_factory):
     """``--only-serving --serving-topology duplex --quick`` on DRAM: two processes over real
     NIXL, each loading from the other with 16 in flight while serving it."""
     stdout, report = run_bench_cli(tmp_path_factory.mktemp("duplex"), "--only-serving",
-                                   "--serving-topology", "duplex")
+                                   "--serving-topology", "duplex", "--serving-host-profile")
     flat = " ".join(stdout.split())  # the title wraps where the table's width says
     assert "rank 1 loads from rank 0" in flat and "rank 1: blocks checked" in stdout
     return report
@@ -178,6 +178,50 @@ def test_duplex_serving_checks_both_directions_and_registers_nothing_after_warm_
     both_sides = sum(r["bytes_checked"]["blocks"] + r["peer"]["bytes_checked"]["blocks"]
                      for r in s["runs"].values())
     assert s["targets"]["serving_bytes_checked"]["value"] == both_sides
+
+
+def test_duplex_serving_reports_stages_and_host_time_per_phase(duplex):
+    """Per phase and per process: the stage table, and (``--serving-host-profile``) the
+    host-time profile, in which each endpoint both served (``_on_load``) and loaded."""
+    for name, r in duplex["serving"]["runs"].items():
+        assert set(r["stages"]) == set(r["host_time"]) == {"mixed", "concurrent_small", "large_stream"}
+        for phase, procs in r["host_time"].items():
+            assert set(procs) == set(r["stages"][phase]) == {"rank0", "rank1"}, (name, phase)
+            for proc, snap in procs.items():
+                rows = {row[0]: row for row in snap["rows"]}
+                assert snap["wall_us"] > 0 and len(rows) > 5, (name, phase, proc)
+                assert rows["endpoint.Endpoint._on_load"][1] > 0, (name, phase, proc)
+                assert any(k.startswith("task:") for k in rows), (name, phase, proc)
+            assert r["stages"][phase]["rank0"]["receiver"]["total"]["n"] > 0
+
+
+def test_host_profile_counts_wrapped_calls_and_uninstalls():
+    import asyncio
+
+    from xavier_async.layout import CacheLayout
+    from xavier_async.planning import Planner
+    from xavier_async.testing.hostprof import HostProfile
+
+    original = asyncio.events.Handle._run, Planner.plan
+    planner = Planner(CacheLayout.of({0: torch.zeros(4, 8)}), 1024)
+    profile = HostProfile().install()
+    try:
+        assert (asyncio.events.Handle._run, Planner.plan) != original
+        planner.plan({1: {0: {"k": 2}}})
+        planner.plan({1: {0: {"k": 3}}})
+
+        async def tick() -> None:
+            await asyncio.sleep(0)
+        asyncio.run(tick())
+        snap = profile.snapshot()
+        rows = {row[0]: row for row in snap["rows"]}
+        assert rows["planning.Planner.plan"][1] == 2
+        assert any(k.startswith("task:") for k in rows)
+        profile.reset()
+        assert profile.snapshot()["rows"] == []
+    finally:
+        profile.uninstall()
+    assert (asyncio.events.Handle._run, Planner.plan) == original
 
 
 def test_duplex_traces_mirror_each_other():

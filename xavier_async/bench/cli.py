@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EndpointConfig.merge_small_bytes of the serving section's merged runs "
                         "(how large a group of waiting small batches may grow); default: the "
                         "engine's default (the small view)")
+    b.add_argument("--serving-host-profile", action="store_true",
+                   help="in the serving section, count each process's host time per event-loop "
+                        "callback and per engine function, per phase (\"host_time\" in the JSON; "
+                        "adds about a microsecond per call)")
     b.add_argument("--soak", type=_positive, metavar="N",
                    help="instead of the sections: N loads over NIXL between processes with "
                         "injected faults, cancellations and a peer restart, every byte checked")
@@ -162,7 +166,8 @@ def _bench(args: argparse.Namespace) -> int:
                             pin_cpus=args.pin, compare=args.compare, serving=args.serving,
                             serving_topology=args.serving_topology,
                             serving_slabs=args.serving_slabs,
-                            serving_merge_small=args.serving_merge_small)
+                            serving_merge_small=args.serving_merge_small,
+                            serving_host_profile=args.serving_host_profile)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2

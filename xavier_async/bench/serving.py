@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import os
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -51,6 +51,8 @@ import torch
 
 from ..endpoint import Endpoint, EndpointConfig
 from ..stages import LoadStages
+from ..testing.hostprof import ENV as HOST_PROFILE_ENV
+from ..testing.hostprof import HostProfile
 from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requests, pattern_caches, \
     replay_loads, split_caches, zero_caches
 from .raw import RAW_COPIES, raw_floor
@@ -207,6 +209,19 @@ async def sources(specs: Sequence[PeerSpec]) -> AsyncIterator[list[PeerProcess]]
             await anyio.to_thread.run_sync(p.close)
 
 
+@asynccontextmanager
+async def installed(profile: HostProfile | None) -> AsyncIterator[HostProfile | None]:
+    """``profile`` installed in this process for the block (nothing when None)."""
+    if profile is None:
+        yield None
+        return
+    profile.install()
+    try:
+        yield profile
+    finally:
+        profile.uninstall()
+
+
 async def _peer_call(p: PeerProcess, cmd: str, arg: Any = None) -> Any:
     return await anyio.to_thread.run_sync(functools.partial(p.call, cmd, arg, PEER_TIMEOUT))
 
@@ -224,9 +239,11 @@ class Phases:
         self.peer_checked = {"loads": 0, "blocks": 0}
 
     async def run(self, loads: Sequence[Load], concurrency: int,
-                  peer_loads: Sequence[Load] | None = None) -> tuple[Timing, Timing | None]:
+                  peer_loads: Sequence[Load] | None = None,
+                  replayed: Callable[[], Awaitable[None]] | None = None) -> tuple[Timing, Timing | None]:
         """This side's timing and (with ``peer_loads``) the peer's, both sides' loads in
-        flight at once; an empty ``loads`` runs the peer's alone."""
+        flight at once; an empty ``loads`` runs the peer's alone. ``replayed`` is awaited
+        once both sides are done, before the bytes are checked."""
         reqs = requests_for(loads, self.base)
         theirs: list[Timing] = []
 
@@ -240,6 +257,8 @@ class Phases:
                 # the same destination layout on the peer: its loads land from ``base`` up
                 tg.start_soon(peer_side, self.peer, requests_for(peer_loads, self.base))
             mine = await replay(self.ep, reqs, concurrency) if reqs else ([], 0.0)
+        if replayed is not None:
+            await replayed()
         self.blocks_checked += check_phase(self.ep.caches, reqs, self.expected)
         self.loads_checked += len(reqs)
         for t in self.ep.caches.values():
@@ -297,15 +316,18 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
     dest = max(slots_needed(p) for p in [*phases.values(), *(peer_phases or {}).values()])
     ranks, dest_base = ((1,), published) if duplex else (SOURCES, 0)
     layout = replace(src_layout, num_slots=dest_base + dest)
+    profile = HostProfile() if o.serving_host_profile else None
     specs = [PeerSpec(rank=r, layout=layout if duplex else src_layout, seed=o.seed,
                       device="cuda:1" if cuda else "cpu", config=config_kwargs(k, merge, **base),
+                      env={HOST_PROFILE_ENV: "1"} if profile is not None else None,
                       hello_extras={RAW_COPIES: True}, torch_threads=None if cuda else 1,
                       published=published if duplex else None) for r in ranks]
     expected = {r: pattern_caches(src_layout, r, o.seed) for r in ranks}
     here = "cuda:0" if cuda else "cpu"
     caches = split_caches(layout, published, 0, o.seed, here) if duplex else zero_caches(layout, here)
     from ..transports.nixl import NixlTransport
-    async with sources(specs) as peers:
+    # (the profile is installed before this process's NIXL agent is made: its calls count)
+    async with installed(profile), sources(specs) as peers:
         async with Endpoint(0, caches, NixlTransport(), cfg) as ep:
             if duplex:
                 for slot in range(published):
@@ -341,9 +363,21 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
                         (await _peer_call(p, "metrics")).get("stages", {}))
                 return out
 
+            async def host_times(reset: bool) -> dict[str, Any]:
+                """Each process's host-time profile since its last reset (then reset)."""
+                if profile is None:
+                    return {}
+                out = {names[0]: profile.snapshot()}
+                for p in peers:
+                    out[names[p.spec.rank]] = await _peer_call(p, "host_time", reset)
+                if reset:
+                    profile.reset()
+                return out
+
             mine: dict[str, Timing] = {}
             peer_t: dict[str, Timing] = {}
             stages: dict[str, Any] = {}
+            host_time: dict[str, Any] = {}
             await ph.run(phases["warm"], CONCURRENCY, theirs("warm"))
             regs0, mem0 = await registrations(), rss()
             mine["unloaded"], _ = await ph.run(phases["unloaded"], 1)
@@ -353,7 +387,13 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
                 peer_t["unloaded"] = pt
             for name in ("mixed", "concurrent_small", "large_stream"):
                 before = await stage_snapshots()
-                mine[name], pt = await ph.run(phases[name], CONCURRENCY, theirs(name))
+                await host_times(reset=True)
+
+                async def replayed(phase: str = name) -> None:
+                    if profile is not None:
+                        host_time[phase] = await host_times(reset=False)
+
+                mine[name], pt = await ph.run(phases[name], CONCURRENCY, theirs(name), replayed)
                 after = await stage_snapshots()
                 stages[name] = {proc: stage_summary(after[proc].minus(before[proc]).as_dict())
                                 for proc in after}
@@ -372,6 +412,7 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
         "loader_slots": dest,
         # per phase, per process: each stage's host time during that phase
         "stages": stages,
+        **({"host_time": host_time} if profile is not None else {}),
         # check_phase raises on a wrong byte: reaching here means every block matched
         "bytes_checked": {"loads": ph.loads_checked, "blocks": ph.blocks_checked, "ok": True},
     })

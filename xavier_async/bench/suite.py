@@ -95,6 +95,9 @@ class BenchOptions:
     serving_slabs: int | None = None
     #: ``merge_small_bytes`` of the merged serving runs (None: the engine's default)
     serving_merge_small: int | None = None
+    #: count each serving process's host time per callback and engine function, per phase
+    #: (:class:`~xavier_async.testing.hostprof.HostProfile`; asyncio only, adds overhead)
+    serving_host_profile: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):

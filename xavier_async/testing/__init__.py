@@ -5,13 +5,16 @@ imported by the engine.
   registration failures, copy failures, lost peers and delays, deterministically from a seed;
 * :class:`PeerProcess` / :class:`PeerSpec`: an endpoint in a child process over real NIXL,
   with caches filled from a seed (:func:`pattern_caches`) so either side can check the
-  bytes it loaded (:func:`check_loaded`).
+  bytes it loaded (:func:`check_loaded`);
+* :class:`HostProfile`: where an event loop's host time goes, per callback and per engine
+  function (asyncio; what ``xavier-async bench --serving-host-profile`` reports).
 """
 
 from .faulty import FaultPlan, FaultyTransport
+from .hostprof import HostProfile
 from .peer_process import (LayoutSpec, PeerProcess, PeerSpec, all_bf16_patterns, check_loaded,
                            digest, pattern_caches, zero_caches, zero_slots)
 
-__all__ = ["FaultPlan", "FaultyTransport", "LayoutSpec", "PeerProcess", "PeerSpec",
+__all__ = ["FaultPlan", "FaultyTransport", "HostProfile", "LayoutSpec", "PeerProcess", "PeerSpec",
            "all_bf16_patterns", "check_loaded", "digest", "pattern_caches", "zero_caches",
            "zero_slots"]

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from .child import ChildProcess, send_error, serve_commands
+from .hostprof import ENV as HOST_PROFILE_ENV
+from .hostprof import HostProfile
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "int8": torch.int8, "uint8": torch.uint8}
@@ -206,6 +208,10 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))
 
+    host_profile = None
+    if os.environ.get(HOST_PROFILE_ENV):  # the bench's --serving-host-profile
+        host_profile = HostProfile().install()
+
     async def main() -> None:
         published = spec.layout.num_slots if spec.published is None else spec.published
         caches = (pattern_caches(spec.layout, spec.rank, spec.seed, spec.device) if spec.published is None
@@ -271,7 +277,17 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                 n, replayed[:] = len(replayed), []
                 return {"loads": n, "blocks": blocks}
 
-            await serve_commands(conn, {"connect": ep.connect, "load": load,
+            async def host_time(reset: Any) -> dict[str, Any] | None:
+                """The host-time profile since its last reset (then reset it, if asked);
+                None when this process runs without one."""
+                if host_profile is None:
+                    return None
+                out = host_profile.snapshot()
+                if reset:
+                    host_profile.reset()
+                return out
+
+            await serve_commands(conn, {"connect": ep.connect, "load": load, "host_time": host_time,
                                         "recv_digest": recv_digest, "peers": peers,
                                         "metrics": metrics, "replay": replay,
                                         "check_replay": check_replay})
