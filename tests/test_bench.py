@@ -352,15 +352,24 @@ def test_slab_counts_reach_the_config():
     small = EndpointConfig(full_bytes=FULL).small_bytes
     assert slab_counts(config_for(3, full_bytes=FULL)) == {"receive_slabs": 3, "send_slabs": 3,
                                                            "merge_loads": True,
-                                                           "merge_small_bytes": small}
+                                                           "merge_small_bytes": small,
+                                                           "trimmed": False}
     assert slab_counts(config_for(3, full_bytes=FULL, merge_small_bytes=FULL))["merge_small_bytes"] == FULL
     default = EndpointConfig()
     assert slab_counts(config_for(None)) == {"receive_slabs": default.receive_slabs,
                                              "send_slabs": default.send_slabs, "merge_loads": True,
-                                             "merge_small_bytes": default.small_bytes}
+                                             "merge_small_bytes": default.small_bytes,
+                                             "trimmed": False}
+    from xavier_async.bench.serving import endpoint_base
     from xavier_async.bench.suite import BenchOptions
     with pytest.raises(ValueError, match="serving_merge_small"):
         BenchOptions(serving_merge_small=1024)  # below the small view
+    o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, serving_trimmed=True, serving_merge_small=FULL)
+    merged, seed = (slab_counts(config_for(1, m, **endpoint_base(o, m))) for m in (True, False))
+    assert merged["trimmed"] and seed["trimmed"]             # --serving-trimmed: every run
+    assert (merged["merge_small_bytes"], seed["merge_small_bytes"]) == (FULL, SMALL)  # merged runs only
+    plain = endpoint_base(BenchOptions(full_bytes=FULL, small_bytes=SMALL), True)
+    assert plain == {"full_bytes": FULL, "small_bytes": SMALL, "map_eagerly": True}
     assert RUNS == (("seed", 1, False), ("k1", 1, True), ("default", None, True))
 
 

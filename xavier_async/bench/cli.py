@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EndpointConfig.merge_small_bytes of the serving section's merged runs "
                         "(how large a group of waiting small batches may grow); default: the "
                         "engine's default (the small view)")
+    b.add_argument("--serving-trimmed", action="store_true",
+                   help="the serving section's endpoints (every run) copy only the payload "
+                        "(EndpointConfig.trimmed) instead of the whole view")
     b.add_argument("--serving-host-profile", action="store_true",
                    help="in the serving section, count each process's host time per event-loop "
                         "callback and per engine function, per phase (\"host_time\" in the JSON; "
@@ -167,6 +170,7 @@ def _bench(args: argparse.Namespace) -> int:
                             serving_topology=args.serving_topology,
                             serving_slabs=args.serving_slabs,
                             serving_merge_small=args.serving_merge_small,
+                            serving_trimmed=args.serving_trimmed,
                             serving_host_profile=args.serving_host_profile)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)

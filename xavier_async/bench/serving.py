@@ -100,10 +100,25 @@ def config_for(k: int | None, merge: bool = True, **base: Any) -> EndpointConfig
     return EndpointConfig(**config_kwargs(k, merge, **base))
 
 
+def endpoint_base(o: BenchOptions, merge: bool) -> dict[str, Any]:
+    """The EndpointConfig fields of every endpoint of a run, before K and merging: the
+    sizes, ``--serving-trimmed``, ``--serving-merge-small`` (merged runs only), and every
+    (send slab, view, receive slab) mapped as peers join, as a serving engine would
+    configure it (registrations are then flat whatever pairs the traffic uses)."""
+    base: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, map_eagerly=True)
+    if o.serving_trimmed:
+        base["trimmed"] = True
+    if merge and o.serving_merge_small is not None:
+        base["merge_small_bytes"] = o.serving_merge_small
+    return base
+
+
 def slab_counts(cfg: EndpointConfig) -> dict[str, Any]:
-    """Receive and send slabs per endpoint, and whether waiting batches are merged."""
+    """Receive and send slabs per endpoint, how waiting batches are merged, and whether
+    copies are trimmed."""
     return {"receive_slabs": cfg.receive_slabs, "send_slabs": cfg.send_slabs,
-            "merge_loads": cfg.merge_loads, "merge_small_bytes": cfg.merge_small_bytes}
+            "merge_loads": cfg.merge_loads, "merge_small_bytes": cfg.merge_small_bytes,
+            "trimmed": cfg.trimmed}
 
 
 # -- loads --------------------------------------------------------------------------------------
@@ -305,11 +320,7 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
     """All phases with ``k`` slabs per endpoint (None: the engine's default) and
     ``merge_loads=merge``. Without ``peer_phases``: the three-process topology; with them:
     duplex, rank 1 replaying them."""
-    # every (send slab, view, receive slab) is mapped as peers join, as a serving engine
-    # would configure it: registrations are then flat whatever pairs the traffic uses
-    base: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, map_eagerly=True)
-    if merge and o.serving_merge_small is not None:
-        base["merge_small_bytes"] = o.serving_merge_small
+    base = endpoint_base(o, merge)
     cfg = config_for(k, merge, **base)
     cuda, duplex = device == "cuda", peer_phases is not None
     published = src_layout.num_slots
@@ -449,10 +460,7 @@ async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: Non
     phases, peer_phases = (duplex_phases(o, src_layout) if topology == "duplex"
                            else (phase_loads(o, src_layout), None))
     mixed = phases["mixed"]
-    extra: dict[str, Any] = ({} if o.serving_merge_small is None
-                             else {"merge_small_bytes": o.serving_merge_small})
-    default_k = slab_counts(config_for(o.serving_slabs, full_bytes=o.full_bytes,
-                                       small_bytes=o.small_bytes, **extra))
+    default_k = slab_counts(config_for(o.serving_slabs, **endpoint_base(o, merge=True)))
     runs = {}
     for name, k, merge in RUNS:
         report(f"serving {name}")
@@ -460,6 +468,7 @@ async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: Non
                                  peer_phases, merge)
     out: dict[str, Any] = {
         "concurrency": CONCURRENCY, "device": device, "topology": topology,
+        "small_bytes": o.small_bytes,
         "default_slabs": default_k,
         "slabs_default": o.serving_slabs is None,
         "trace": {"loads": len(mixed), "large": sum(x.large for x in mixed),
@@ -549,7 +558,10 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
     title = (f"Serving load: {t['loads']} loads ({t['large']} large, {t['useful_bytes'] / 1e6:.1f} MB) {where}, "
              f"{s['concurrency']} in flight, {s['device']}; K=1 vs K={d['receive_slabs']} "
              f"(receive/send slabs {d['receive_slabs']}/{d['send_slabs']}"
-             f"{'' if s.get('slabs_default', True) else ', set by --serving-slabs'})")
+             f"{'' if s.get('slabs_default', True) else ', set by --serving-slabs'})"
+             + (f"; merged groups of small batches up to {d['merge_small_bytes'] // 1024} KiB"
+                if d.get("merge_small_bytes", s.get("small_bytes")) != s.get("small_bytes") else "")
+             + ("; trimmed copies" if d.get("trimmed") else ""))
     target_rows = [[k, f"{v['value']:.3g}", f"{'<=' if k not in _AT_LEAST else '>='} {v['limit']:.3g}",
                     "met" if v["met"] else "MISSED"] for k, v in s["targets"].items()]
     return [(title, rows, ["", "seed K=1", "K=1 merged", f"K={d['receive_slabs']}",

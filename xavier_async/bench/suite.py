@@ -95,6 +95,8 @@ class BenchOptions:
     serving_slabs: int | None = None
     #: ``merge_small_bytes`` of the merged serving runs (None: the engine's default)
     serving_merge_small: int | None = None
+    #: the serving section's endpoints (every run) copy only the payload (``trimmed``)
+    serving_trimmed: bool = False
     #: count each serving process's host time per callback and engine function, per phase
     #: (:class:`~xavier_async.testing.hostprof.HostProfile`; asyncio only, adds overhead)
     serving_host_profile: bool = False
