@@ -137,7 +137,7 @@ class EndpointConfig:
     (``--serving-merge-small``): 1 MiB gave 1.6-2.4x the default's loads/s on the H200
     pair with two endpoints loading from each other (2.3-3.9x with one slab each way),
     0.8x with two sources sharing one GPU, and 0.4x on DRAM, where each group's copy
-    moved the whole 12 MiB slab (1.04-1.10x there with ``trimmed``).
+    moved the whole 12 MiB slab (1.2x there with ``trimmed``).
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
