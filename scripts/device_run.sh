@@ -4,7 +4,9 @@
 # full benchmark and the real-model demo. Results go to $OUT (or ./out).
 # Usage: bash scripts/device_run.sh [tests] [kernels] [floor] [bench] [demo] [serving] [profile]
 #   (default: the first five; serving: the serving section alone, duplex and three processes;
-#    profile: the three-process serving section under py-spy, if its wheel is in .whl/)
+#    profile: the three-process serving section under py-spy, if its wheel is in .whl/;
+#    matrix: the serving section once per line of $MATRIX, "tag: bench flags";
+#    SERVING_TOPOLOGIES, SERVING_ARGS and SERVING_TAG narrow and vary the serving step)
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -21,8 +23,13 @@ for step in $steps; do case $step in
             timeout 200 python3 scripts/gpu_pack_timing.py 2>&1; timeout 200 python3 scripts/gpu_launch_timing.py 2>&1; } | tee "$OUT/kernels.txt" ;;
   floor) [ -f .whl/nixl_floor.py ] && NIXL_LOG_LEVEL=WARN timeout 120 python3 .whl/nixl_floor.py cuda 300 2>&1 | tee "$OUT/nixl_floor.txt" ;;
   bench) timeout 560 python3 -m xavier_async.bench bench --json "$OUT/bench_cuda.json" --plot "$OUT/bench_cuda.png" 2>&1 | tee "$OUT/bench_cuda.txt" ;;
-  serving) for topo in duplex three; do
-            timeout 280 python3 -m xavier_async.bench bench --only-serving --serving-topology $topo --json "$OUT/serving_$topo.json" --plot "$OUT/serving_$topo.png" 2>&1 | tee "$OUT/serving_$topo.txt"; done ;;
+  serving) for topo in ${SERVING_TOPOLOGIES:-duplex three}; do
+            timeout 280 python3 -m xavier_async.bench bench --only-serving --serving-topology $topo ${SERVING_ARGS:-} --json "$OUT/serving_$topo${SERVING_TAG:-}.json" --plot "$OUT/serving_$topo${SERVING_TAG:-}.png" 2>&1 | tee "$OUT/serving_$topo${SERVING_TAG:-}.txt"; done ;;
+  matrix) # the serving section once per line of $MATRIX ("tag: bench flags"), one topology each
+          while IFS=: read -r tag args; do [ -n "$tag" ] || continue
+            for topo in ${SERVING_TOPOLOGIES:-duplex three}; do
+              timeout 200 python3 -m xavier_async.bench bench --only-serving --serving-topology $topo $args --json "$OUT/serving_${topo}_$tag.json" > "$OUT/serving_${topo}_$tag.txt" 2>&1
+              echo "$topo $tag: rc $?"; done; done <<< "${MATRIX:-}" ;;
   profile) [ -x /tmp/site/bin/py-spy ] && timeout 280 /tmp/site/bin/py-spy record --subprocesses --rate ${PYSPY_RATE:-100} --format raw -o "$OUT/profile_three.txt" -- python3 -m xavier_async.bench bench --only-serving --serving-topology three --json "$OUT/serving_three_profiled.json" 2>&1 | tail -40 | tee "$OUT/profile_log.txt" ;;
   demo) timeout 400 python3 -m xavier_async.bench demo --device cuda --json "$OUT/demo_cuda.json" --plot "$OUT/demo_cuda.png" 2>&1 | tee "$OUT/demo_cuda.txt" ;;
 esac; done
