@@ -135,12 +135,15 @@ def test_serving_section_checks_every_load_and_registers_nothing_after_warm_up(r
 
 @pytest.fixture(scope="module")
 def duplex(tmp_path_factory):
-    """``--only-serving --serving-topology duplex --quick`` on DRAM: two processes over real
-    NIXL, each loading from the other with 16 in flight while serving it."""
+    """``--only-serving --serving-topology duplex --quick --serving-rounds 2`` on DRAM: two
+    processes over real NIXL, each loading from the other with 16 in flight while serving
+    it, every run twice, alternated."""
     stdout, report = run_bench_cli(tmp_path_factory.mktemp("duplex"), "--only-serving",
-                                   "--serving-topology", "duplex", "--serving-host-profile")
+                                   "--serving-topology", "duplex", "--serving-host-profile",
+                                   "--serving-rounds", "2")
     flat = " ".join(stdout.split())  # the title wraps where the table's width says
     assert "rank 1 loads from rank 0" in flat and "rank 1: blocks checked" in stdout
+    assert "the median of 2 alternating rounds" in flat and "rounds: least - most" in flat
     return report
 
 
@@ -155,12 +158,16 @@ def test_duplex_serving_checks_both_directions_and_registers_nothing_after_warm_
     layout = bench_layout(o.full_bytes)
     mine, theirs = duplex_phases(o, layout)
     assert s["concurrency"] == 16 and set(s["runs"]) == {"seed", "k1", "default"}
+    assert s["rounds"] == 2 and [set(rd) for rd in s["round_runs"]] == [set(s["runs"])] * 2
     for name, r in s["runs"].items():
         assert r["topology"] == "duplex"
-        for side, phases in ((r, mine), (r["peer"], theirs)):
-            assert side["bytes_checked"] == {"loads": sum(len(p) for p in phases.values()),
-                                             "blocks": sum(x.blocks for p in phases.values() for x in p),
-                                             "ok": True}, name
+        for side, phases, rounds in ((r, mine, [rd[name] for rd in s["round_runs"]]),
+                                     (r["peer"], theirs, [rd[name]["peer"] for rd in s["round_runs"]])):
+            checked = {"loads": sum(len(p) for p in phases.values()),
+                       "blocks": sum(x.blocks for p in phases.values() for x in p), "ok": True}
+            assert [x["bytes_checked"] for x in rounds] == [checked] * 2, name  # every round's
+            assert side["bytes_checked"] == {"loads": 2 * checked["loads"],  # summed over them
+                                             "blocks": 2 * checked["blocks"], "ok": True}, name
             assert side["unloaded_small"]["n"] == len(phases["unloaded"])
             assert side["mixed"]["small"]["n"] + side["mixed"]["large"]["n"] == o.trace_batches
             assert side["mixed"]["small"]["p99_us"] >= side["mixed"]["small"]["p50_us"] > 0
@@ -178,6 +185,11 @@ def test_duplex_serving_checks_both_directions_and_registers_nothing_after_warm_
     both_sides = sum(r["bytes_checked"]["blocks"] + r["peer"]["bytes_checked"]["blocks"]
                      for r in s["runs"].values())
     assert s["targets"]["serving_bytes_checked"]["value"] == both_sides
+    # the throughput target: the median of the two rounds' ratios, each within its range
+    spread = s["spread"]["concurrent_small_loads_per_s_vs_seed"]
+    assert spread["values"] == [rd["default"]["concurrent_small"]["loads_per_s"]
+                                / rd["seed"]["concurrent_small"]["loads_per_s"] for rd in s["round_runs"]]
+    assert s["targets"]["concurrent_small_loads_per_s_vs_seed"]["value"] == pytest.approx(sum(spread["values"]) / 2)
 
 
 def test_duplex_serving_reports_stages_and_host_time_per_phase(duplex):
@@ -272,6 +284,53 @@ def test_serving_slabs_option():
     assert build_parser().parse_args(["bench"]).serving_slabs is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--serving-slabs", "0"])
+
+
+def test_serving_rounds_option():
+    """--serving-rounds N: how many alternating rounds of the serving runs (1 to 100)."""
+    assert BenchOptions().serving_rounds == 1
+    assert BenchOptions(serving_rounds=3).serving_rounds == 3
+    for bad in (0, 101, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="serving_rounds"):
+            BenchOptions(serving_rounds=bad)
+    assert build_parser().parse_args(["bench", "--serving-rounds", "3"]).serving_rounds == 3
+    assert build_parser().parse_args(["bench"]).serving_rounds == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--serving-rounds", "0"])
+
+
+def test_median_run_takes_the_median_the_worst_counters_and_sums_the_checks():
+    """Several rounds of one run become one: figures the median (ints the lower median),
+    registrations and RSS growth the worst round's, blocks checked summed (``ok`` only if
+    every round's was), tables and text from the first round."""
+    from xavier_async.bench.serving import median_run, round_spread
+
+    def run(p50: float, loads_s: float, regs: int, rss: int, blocks: int, ok: bool, n: int) -> dict:
+        return {"receive_slabs": 4, "topology": "three", "unloaded_small": {"p50_us": p50, "n": n},
+                "concurrent_small": {"loads_per_s": loads_s},
+                "registrations_after_warmup": {"loader": regs, "source1": 0},
+                "rss_growth_bytes": {"loader": rss}, "bytes_checked": {"blocks": blocks, "ok": ok},
+                "stages": {"mixed": {"round": p50}}, "host_time": {"rows": [[str(p50)]]}}
+
+    rounds = [run(300.0, 9.0, 0, 10, 5, True, 7), run(100.0, 3.0, 2, 30, 6, True, 9),
+              run(200.0, 5.0, 1, 20, 7, False, 8)]
+    m = median_run(rounds)
+    assert m["unloaded_small"] == {"p50_us": 200.0, "n": 8}
+    assert m["concurrent_small"] == {"loads_per_s": 5.0}
+    assert m["registrations_after_warmup"] == {"loader": 2, "source1": 0}
+    assert m["rss_growth_bytes"] == {"loader": 30}
+    assert m["bytes_checked"] == {"blocks": 18, "ok": False}
+    assert m["stages"] == rounds[0]["stages"] and m["host_time"] == rounds[0]["host_time"]
+    assert m["receive_slabs"] == 4 and m["topology"] == "three"
+    assert median_run(rounds[:1]) is rounds[0]
+    assert median_run(rounds[:2])["unloaded_small"]["n"] == 7  # the lower median of two ints
+    default = [dict(rounds[0], small_p99_mixed_over_unloaded_p50=4.0, large_stream={"vs_raw_full_copy": 0.5}),
+               dict(rounds[1], small_p99_mixed_over_unloaded_p50=6.0, large_stream={"vs_raw_full_copy": 0.3})]
+    spread = round_spread([{"default": default[0], "seed": rounds[1]},
+                           {"default": default[1], "seed": rounds[2]}])
+    assert spread["concurrent_small_loads_per_s_vs_seed"] == {"values": [3.0, 0.6], "min": 0.6, "max": 3.0}
+    assert spread["small_p99_mixed_vs_unloaded_p50"]["values"] == [4.0, 6.0]
+    assert spread["large_stream_vs_raw_full_copy"] == {"values": [0.5, 0.3], "min": 0.3, "max": 0.5}
 
 
 @pytest.mark.asyncio

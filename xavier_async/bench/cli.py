@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--serving-trimmed", action="store_true",
                    help="the serving section's endpoints (every run) copy only the payload "
                         "(EndpointConfig.trimmed) instead of the whole view")
+    b.add_argument("--serving-rounds", type=_positive, metavar="N", default=1,
+                   help="run the serving section's runs N times, alternating them (each round "
+                        "starts one run later), and report each figure as the median over the "
+                        "rounds, with the targets' spread (for hosts whose runs differ)")
     b.add_argument("--serving-host-profile", action="store_true",
                    help="in the serving section, count each process's host time per event-loop "
                         "callback and per engine function, per phase (\"host_time\" in the JSON; "
@@ -171,7 +175,8 @@ def _bench(args: argparse.Namespace) -> int:
                             serving_slabs=args.serving_slabs,
                             serving_merge_small=args.serving_merge_small,
                             serving_trimmed=args.serving_trimmed,
-                            serving_host_profile=args.serving_host_profile)
+                            serving_host_profile=args.serving_host_profile,
+                            serving_rounds=args.serving_rounds)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2

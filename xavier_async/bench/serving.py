@@ -20,6 +20,10 @@ slab per endpoint with nothing merged (the seed's one-batch-at-a-time design); `
 slab each way with batches that wait for it merged (``EndpointConfig.merge_loads``, the
 default); ``default``, the endpoint's defaults (``receive_slabs``/``send_slabs`` K, merging
 on). The targets compare ``default`` with ``seed``; ``k1`` shows what merging alone gives.
+With ``BenchOptions.serving_rounds`` N > 1 the three runs are repeated N times, alternated
+(round r starts r runs later), and each figure is the median over the rounds
+(:func:`median_run`); the throughput target is the median of the rounds' own ratios, and
+``"spread"`` gives every target's value per round (hosts whose runs differ by 2x need it).
 
 Per run, phases (each with its own destination slots, all checked byte for byte after
 the phase, outside the timings, on both sides in duplex):
@@ -41,6 +45,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import statistics
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -461,11 +466,18 @@ async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: Non
                            else (phase_loads(o, src_layout), None))
     mixed = phases["mixed"]
     default_k = slab_counts(config_for(o.serving_slabs, **endpoint_base(o, merge=True)))
-    runs = {}
-    for name, k, merge in RUNS:
-        report(f"serving {name}")
-        runs[name] = await run_k(o, o.serving_slabs if k is None else k, phases, src_layout, device,
-                                 peer_phases, merge)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for r in range(o.serving_rounds):
+        # round r starts r places later in RUNS: each run takes every position in turn, so
+        # that a host that drifts (warms up, or gets busier) favours none of them
+        order = RUNS[r % len(RUNS):] + RUNS[:r % len(RUNS)]
+        rounds.append({})
+        for name, k, merge in order:
+            report(f"serving {name}" + (f" (round {r + 1} of {o.serving_rounds})"
+                                        if o.serving_rounds > 1 else ""))
+            rounds[-1][name] = await run_k(o, o.serving_slabs if k is None else k, phases, src_layout,
+                                           device, peer_phases, merge)
+    runs = {name: median_run([rd[name] for rd in rounds]) for name, _, _ in RUNS}
     out: dict[str, Any] = {
         "concurrency": CONCURRENCY, "device": device, "topology": topology,
         "small_bytes": o.small_bytes,
@@ -474,15 +486,84 @@ async def serving(o: BenchOptions, report: Callable[[str], None] = lambda s: Non
         "trace": {"loads": len(mixed), "large": sum(x.large for x in mixed),
                   "useful_bytes": _useful(mixed, src_layout), "block_bytes": src_layout.block_nbytes,
                   "layers": src_layout.layers},
+        "rounds": len(rounds),
         "runs": runs,
         # the target: against the seed's design; and what the slab pools add to merging
-        "concurrent_small_default_over_seed": (runs["default"]["concurrent_small"]["loads_per_s"]
-                                               / runs["seed"]["concurrent_small"]["loads_per_s"]),
-        "concurrent_small_default_over_k1": (runs["default"]["concurrent_small"]["loads_per_s"]
-                                             / runs["k1"]["concurrent_small"]["loads_per_s"]),
+        # (each the median of the ratios within a round, whose runs were back to back)
+        "concurrent_small_default_over_seed": _median_ratio(rounds, "default", "seed"),
+        "concurrent_small_default_over_k1": _median_ratio(rounds, "default", "k1"),
     }
+    if len(rounds) > 1:
+        out["round_runs"] = rounds
+        out["spread"] = round_spread(rounds)
     out["targets"] = serving_targets(out, o.full_bytes)
     return out
+
+
+def _loads_per_s(run: dict[str, Any]) -> float:
+    return float(run["concurrent_small"]["loads_per_s"])
+
+
+def _median_ratio(rounds: Sequence[dict[str, dict[str, Any]]], a: str, b: str) -> float:
+    return statistics.median(_loads_per_s(rd[a]) / _loads_per_s(rd[b]) for rd in rounds)
+
+
+#: the figures whose spread over rounds is reported: (name, run, its value in that run)
+SPREAD: tuple[tuple[str, Callable[[dict[str, dict[str, Any]]], float]], ...] = (
+    ("small_p99_mixed_vs_unloaded_p50", lambda rd: rd["default"]["small_p99_mixed_over_unloaded_p50"]),
+    ("concurrent_small_loads_per_s_vs_seed", lambda rd: _loads_per_s(rd["default"]) / _loads_per_s(rd["seed"])),
+    ("large_stream_vs_raw_full_copy", lambda rd: rd["default"]["large_stream"]["vs_raw_full_copy"]),
+    ("default_concurrent_small_loads_per_s", lambda rd: _loads_per_s(rd["default"])),
+    ("seed_concurrent_small_loads_per_s", lambda rd: _loads_per_s(rd["seed"])),
+)
+
+
+def round_spread(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per target figure: its value in each round, and the least and the most."""
+    out = {}
+    for name, get in SPREAD:
+        values = [float(get(rd)) for rd in rounds]
+        out[name] = {"values": values, "min": min(values), "max": max(values)}
+    return out
+
+
+#: counters whose worst round is kept (flatness must hold in every round), not the median
+_WORST = frozenset({"registrations_after_warmup", "rss_growth_bytes"})
+#: counters summed over rounds (every round's bytes were checked)
+_SUMMED = frozenset({"bytes_checked"})
+
+
+def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One run's figures from several rounds of it: each number the median over the rounds
+    (an ``int`` stays an ``int``: the lower median); registrations and RSS growth the worst
+    round's; the blocks checked summed (``ok`` only if every round's were); anything else
+    (stage tables, host-time rows, text) the first round's."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def merge(values: list[Any], how: str) -> Any:
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: merge([v[k] for v in values if isinstance(v, dict) and k in v],
+                             _WORST_OR_SUM.get(k, how)) for k in first}
+        if isinstance(first, bool) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              for v in values):
+            return all(values) if isinstance(first, bool) and how == "sum" else first
+        if how == "worst":
+            return max(values)
+        if how == "sum":
+            return sum(values)
+        if all(type(v) is int for v in values):
+            return statistics.median_low(values)
+        return statistics.median(values)
+
+    return {k: merge([r[k] for r in runs], _WORST_OR_SUM.get(k, "median"))
+            if k not in _KEPT else runs[0][k] for k in runs[0]}
+
+
+_WORST_OR_SUM = {**{k: "worst" for k in _WORST}, **{k: "sum" for k in _SUMMED}}
+#: kept from the first round (tables of their own, not figures)
+_KEPT = frozenset({"stages", "host_time"})
 
 
 def serving_targets(s: dict[str, Any], full_bytes: int) -> dict[str, dict[str, Any]]:
@@ -561,12 +642,18 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
              f"{'' if s.get('slabs_default', True) else ', set by --serving-slabs'})"
              + (f"; merged groups of small batches up to {d['merge_small_bytes'] // 1024} KiB"
                 if d.get("merge_small_bytes", s.get("small_bytes")) != s.get("small_bytes") else "")
-             + ("; trimmed copies" if d.get("trimmed") else ""))
+             + ("; trimmed copies" if d.get("trimmed") else "")
+             + (f"; the median of {s['rounds']} alternating rounds" if s.get("rounds", 1) > 1 else ""))
+    spread = s.get("spread", {})
     target_rows = [[k, f"{v['value']:.3g}", f"{'<=' if k not in _AT_LEAST else '>='} {v['limit']:.3g}",
-                    "met" if v["met"] else "MISSED"] for k, v in s["targets"].items()]
+                    "met" if v["met"] else "MISSED"]
+                   + ([f"{spread[k]['min']:.3g} - {spread[k]['max']:.3g}" if k in spread else ""]
+                      if spread else [])
+                   for k, v in s["targets"].items()]
     return [(title, rows, ["", "seed K=1", "K=1 merged", f"K={d['receive_slabs']}",
                            f"K={d['receive_slabs']} / seed"]),
-            ("Serving targets", target_rows, ["target", "value", "limit", ""])]
+            ("Serving targets" + (f" (median of {s['rounds']} rounds)" if spread else ""), target_rows,
+             ["target", "value", "limit", ""] + (["rounds: least - most"] if spread else []))]
 
 
 _AT_LEAST = {"concurrent_small_loads_per_s_vs_seed", "large_stream_vs_raw_full_copy", "serving_bytes_checked"}

@@ -100,6 +100,8 @@ class BenchOptions:
     #: count each serving process's host time per callback and engine function, per phase
     #: (:class:`~xavier_async.testing.hostprof.HostProfile`; asyncio only, adds overhead)
     serving_host_profile: bool = False
+    #: rounds of the serving section's runs, alternated (each figure: the median over them)
+    serving_rounds: int = 1
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):
@@ -116,6 +118,8 @@ class BenchOptions:
                 or not self.small_bytes <= self.serving_merge_small <= self.full_bytes):
             raise ValueError("serving_merge_small must be an int from the small view to the full "
                              f"slab, got {self.serving_merge_small!r}")
+        if type(self.serving_rounds) is not int or not 1 <= self.serving_rounds <= 100:
+            raise ValueError(f"serving_rounds must be an int from 1 to 100, got {self.serving_rounds!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         for name in ("full_bytes", "small_bytes", "copies", "warmup", "loads", "trace_batches",
