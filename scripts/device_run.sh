@@ -6,7 +6,8 @@
 #   (default: the first five; serving: the serving section alone, duplex and three processes;
 #    profile: the three-process serving section under py-spy, if its wheel is in .whl/;
 #    matrix: the serving section once per line of $MATRIX, "tag: bench flags";
-#    SERVING_TOPOLOGIES, SERVING_ARGS and SERVING_TAG narrow and vary the serving step)
+#    SERVING_TOPOLOGIES, SERVING_ARGS and SERVING_TAG narrow and vary the serving step;
+#    MATRIX_TIMEOUT: seconds per matrix run, default 280: three rounds of duplex took 213 s)
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -28,8 +29,10 @@ for step in $steps; do case $step in
   matrix) # the serving section once per line of $MATRIX ("tag: bench flags"), one topology each
           while IFS=: read -r tag args; do [ -n "$tag" ] || continue
             for topo in ${SERVING_TOPOLOGIES:-duplex three}; do
-              timeout 200 python3 -m xavier_async.bench bench --only-serving --serving-topology $topo $args --json "$OUT/serving_${topo}_$tag.json" > "$OUT/serving_${topo}_$tag.txt" 2>&1
-              echo "$topo $tag: rc $?"; done; done <<< "${MATRIX:-}" ;;
+              timeout ${MATRIX_TIMEOUT:-280} python3 -m xavier_async.bench bench --only-serving --serving-topology $topo $args --json "$OUT/serving_${topo}_$tag.json" > "$OUT/serving_${topo}_$tag.txt" 2>&1
+              echo "$topo $tag: rc $?"; done; done <<< "${MATRIX:-}"
+          # one archive: the device tool brings back only a few files per call
+          (cd "$OUT" && tar czf matrix.tgz serving_*_* && rm -f serving_*_*) ;;
   profile) [ -x /tmp/site/bin/py-spy ] && timeout 280 /tmp/site/bin/py-spy record --subprocesses --rate ${PYSPY_RATE:-100} --format raw -o "$OUT/profile_three.txt" -- python3 -m xavier_async.bench bench --only-serving --serving-topology three --json "$OUT/serving_three_profiled.json" 2>&1 | tail -40 | tee "$OUT/profile_log.txt" ;;
   demo) timeout 400 python3 -m xavier_async.bench demo --device cuda --json "$OUT/demo_cuda.json" --plot "$OUT/demo_cuda.png" 2>&1 | tee "$OUT/demo_cuda.txt" ;;
 esac; done
