@@ -133,11 +133,11 @@ class EndpointConfig:
     the channel machine copies it through the full view (the whole slab unless
     ``trimmed``, and a following small batch starts a new streak) and the source serves
     it under the large batches' share of send slabs. It keeps its small place in the
-    receive-slab queue. Measured with the serving bench's 16 concurrent small loads
-    (``--serving-merge-small``): 1 MiB gave 1.6-2.4x the default's loads/s on the H200
-    pair with two endpoints loading from each other (2.3-3.9x with one slab each way),
-    0.8x with two sources sharing one GPU, and 0.4x on DRAM, where each group's copy
-    moved the whole 12 MiB slab (1.2x there with ``trimmed``).
+    receive-slab queue. Measured with the serving bench (``--serving-merge-small 1MiB
+    --serving-rounds 3``, medians) on the H200 pair: one loader with two sources got
+    1.27x the default's concurrent small loads/s and 1.23x its mixed-trace loads/s; two
+    endpoints loading from each other 1.07x and 0.89x. On DRAM each group's copy moves
+    the whole 12 MiB slab unless ``trimmed`` (0.4x; 1.2x with ``trimmed``).
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
