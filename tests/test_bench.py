@@ -412,21 +412,29 @@ def test_slab_counts_reach_the_config():
     assert slab_counts(config_for(3, full_bytes=FULL)) == {"receive_slabs": 3, "send_slabs": 3,
                                                            "merge_loads": True,
                                                            "merge_small_bytes": small,
+                                                           "small_round_trips": None,
                                                            "trimmed": False}
     assert slab_counts(config_for(3, full_bytes=FULL, merge_small_bytes=FULL))["merge_small_bytes"] == FULL
     default = EndpointConfig()
     assert slab_counts(config_for(None)) == {"receive_slabs": default.receive_slabs,
                                              "send_slabs": default.send_slabs, "merge_loads": True,
                                              "merge_small_bytes": default.small_bytes,
-                                             "trimmed": False}
+                                             "small_round_trips": None, "trimmed": False}
     from xavier_async.bench.serving import endpoint_base
     from xavier_async.bench.suite import BenchOptions
     with pytest.raises(ValueError, match="serving_merge_small"):
         BenchOptions(serving_merge_small=1024)  # below the small view
-    o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, serving_trimmed=True, serving_merge_small=FULL)
+    o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, serving_trimmed=True, serving_merge_small=FULL,
+                     serving_small_trips=2)
     merged, seed = (slab_counts(config_for(1, m, **endpoint_base(o, m))) for m in (True, False))
     assert merged["trimmed"] and seed["trimmed"]             # --serving-trimmed: every run
     assert (merged["merge_small_bytes"], seed["merge_small_bytes"]) == (FULL, SMALL)  # merged runs only
+    assert (merged["small_round_trips"], seed["small_round_trips"]) == (2, None)      # merged runs only
+    for bad in (0, 1025, 1.0, True):
+        with pytest.raises(ValueError, match="serving_small_trips"):
+            BenchOptions(serving_small_trips=bad)
+    assert build_parser().parse_args(["bench", "--serving-small-trips", "1"]).serving_small_trips == 1
+    assert build_parser().parse_args(["bench"]).serving_small_trips is None
     plain = endpoint_base(BenchOptions(full_bytes=FULL, small_bytes=SMALL), True)
     assert plain == {"full_bytes": FULL, "small_bytes": SMALL, "map_eagerly": True}
     assert RUNS == (("seed", 1, False), ("k1", 1, True), ("default", None, True))

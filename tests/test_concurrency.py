@@ -633,6 +633,80 @@ def test_merge_small_bytes_is_validated_against_the_views():
             EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, merge_small_bytes=bad)
 
 
+# -- a cap on small round trips per source (EndpointConfig.small_round_trips) ----------------
+
+CAPPED = EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, small_round_trips=1)   # K = S = 4
+
+
+@anyio_test
+async def test_small_round_trips_caps_the_small_copies_in_flight_to_a_source():
+    """With one small round trip per source, small loads that arrive while one is in
+    flight wait in one group although three slabs are free, and go out as one copy when
+    it ends; a large load from the same source is not held by the cap; every byte checked."""
+    cs = caches(2)
+    async with cluster(cs, CAPPED, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        results: dict = {}
+        async with releasing(b) as tg:
+            first = await _fill_the_slab(a, b, tg)           # one small copy in flight (held)
+            rs = [req(1, [10 + i], slot0=i) for i in range(3)]
+            for i, r in enumerate(rs):
+                tg.start_soon(lambda i=i, r=r: _into(results, i, a.load(r)))
+            await until(lambda: len(getattr(a._forming.get((1, False)), "members", ())) == 3,
+                        "the three wait in one group")
+            assert a._recv.pool.free == K - 1 and a._lanes[1].waiting == 1
+            big = req(1, LARGE, slot0=20)
+            await a.load(big)                               # large: past the cap, at once
+            check(cs[0], cs, big)
+            assert len(results) == 0 and a._lanes[1].held == 1
+            b.transport.release_held()
+        m = a.metrics.peer(1)
+        assert (m.batches_received, m.batches_merged) == (3, 2)   # first, large, the group
+        assert a._lanes[1].held == a._lanes[1].waiting == 0 and a._recv.pool.free == K
+        for r in [first, *rs]:
+            check(cs[0], cs, r)
+
+
+async def _into(results: dict, i: int, load) -> None:
+    results[i] = await load
+
+
+@anyio_test
+async def test_a_load_cancelled_while_waiting_for_a_small_round_trip_takes_nothing():
+    """Cancelled while its group waits for the source's one small round trip, a load
+    leaves the lane queue and takes no slab; its slot keeps its contents and the next
+    load goes through."""
+    cs = caches(2)
+    async with cluster(cs, CAPPED, wrap={1: faulty()}) as (a, b):
+        publish(b)
+        async with releasing(b) as tg:
+            first = await _fill_the_slab(a, b, tg)
+            scope, outcome, run = cancellable(a, req(1, [7], slot0=3))
+            tg.start_soon(run)
+            await until(lambda: a._lanes[1].waiting == 1, "waits for the round trip")
+            scope.cancel()
+            await until(lambda: "cancelled" in outcome, "the load returned")
+            assert outcome["cancelled"] and not a._forming and a._lanes[1].waiting == 0
+            assert a._recv.pool.free == K - 1               # only the held copy's slab is out
+            b.transport.release_held()
+        assert_same_bytes(cs[0][0][3], torch.zeros(256))    # never written
+        assert a._lanes[1].held == 0 and a._recv.pool.free == K
+        nxt = req(1, [8], slot0=4)
+        await a.load(nxt)
+        for r in (first, nxt):
+            check(cs[0], cs, r)
+
+
+def test_small_round_trips_is_validated():
+    assert EndpointConfig().small_round_trips is None
+    assert EndpointConfig(small_round_trips=2).small_round_trips == 2
+    for bad in (0, 1025, 1.5, True, "1"):
+        with pytest.raises(Exception, match="small_round_trips"):
+            EndpointConfig(small_round_trips=bad)
+    with pytest.raises(Exception, match="merge_loads"):
+        EndpointConfig(small_round_trips=1, merge_loads=False)
+
+
 @anyio_test
 async def test_merging_off_is_one_copy_per_batch():
     cs = caches(2)

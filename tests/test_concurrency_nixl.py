@@ -29,23 +29,26 @@ SEED = 13
 
 
 @pytest.mark.asyncio
-async def test_nixl_many_loads_in_flight_from_two_processes():
+@pytest.mark.parametrize("capped", [False, True], ids=["uncapped", "one_small_round_trip"])
+async def test_nixl_many_loads_in_flight_from_two_processes(capped):
     """16 concurrent loads (small and large) at a time from two source processes, whose
     writes are slowed so that copies overlap (and batches that wait for a slab are
     merged); every block checked; S + K registrations on every endpoint and none after
-    the warm-up."""
+    the warm-up. Capped (``small_round_trips=1``): never more than one small round trip
+    per source in flight, and the waiting small batches merge."""
     expected = {r: pattern_caches(SPEC, r, SEED) for r in (1, 2)}
     local = {layer: t.zero_() for layer, t in pattern_caches(SPEC, 0, SEED, HERE).items()}
     slow = {"write_stall_rate": 1.0, "stall_seconds": 0.02}
     procs = [PeerProcess(PeerSpec(rank=r, layout=SPEC, seed=SEED, config=NCFG, torch_threads=1,
                                   faults=slow, device=THERE)) for r in (1, 2)]
     try:
-        async with Endpoint(0, local, NixlTransport(), EndpointConfig(**NCFG)) as ep:
+        cfg = EndpointConfig(**NCFG, small_round_trips=1 if capped else None)
+        async with Endpoint(0, local, NixlTransport(), cfg) as ep:
             for p in procs:
                 await ep.connect(p.address)
             assert ep.transport.memory_registrations == S + K
             rng = random.Random(3)
-            peak = 0
+            peak = lanes_peak = 0
 
             async def one(i: int) -> None:
                 src = 1 + i % 2
@@ -58,9 +61,10 @@ async def test_nixl_many_loads_in_flight_from_two_processes():
                 assert check_loaded(ep.caches, request, expected) > 0
 
             async def watch() -> None:
-                nonlocal peak
+                nonlocal peak, lanes_peak
                 while True:
                     peak = max(peak, ep.recv_slab_stats["in_use"])
+                    lanes_peak = max([lanes_peak, *(lanes.held for lanes in ep._lanes.values())])
                     await anyio.sleep(0.001)
 
             async with anyio.create_task_group() as outer:
@@ -71,6 +75,7 @@ async def test_nixl_many_loads_in_flight_from_two_processes():
                             tg.start_soon(one, i)
                 outer.cancel_scope.cancel()
             assert peak >= 2, peak                  # loads really were in flight together
+            assert lanes_peak == (1 if capped else 0), lanes_peak   # the cap, held to
             assert ep.transport.memory_registrations == S + K
             merged = 0
             for p in procs:

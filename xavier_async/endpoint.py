@@ -138,6 +138,17 @@ class EndpointConfig:
     1.27x the default's concurrent small loads/s and 1.23x its mixed-trace loads/s; two
     endpoints loading from each other 1.07x and 0.89x. On DRAM each group's copy moves
     the whole 12 MiB slab unless ``trimmed`` (0.4x; 1.2x with ``trimmed``).
+
+    ``small_round_trips`` (opt in, needs ``merge_loads``): at most this many round trips
+    of small batches in flight to one source. A small batch that finds them all busy
+    waits in its source's forming group, which goes out when one of them ends (and a
+    receive slab is free), so loaded traffic makes fewer, fuller round trips while the
+    other slabs stay free for large batches. ``None`` (the default): no cap, a small batch
+    takes any free slab. Why: on a loaded endpoint the cost is host work per round trip;
+    on the H200 pair one slab each way with 1 MiB groups (every small batch that arrives
+    during a round trip joins the next) gave the best small-load throughput and tail
+    with two endpoints loading from each other, but one slab leaves no room for large
+    batches. A cancelled batch waiting for a round trip takes nothing.
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -154,6 +165,7 @@ class EndpointConfig:
     map_eagerly: bool = False
     merge_loads: bool = True
     merge_small_bytes: int | None = None
+    small_round_trips: int | None = None
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -174,6 +186,12 @@ class EndpointConfig:
         merge_small = sizes.small if self.merge_small_bytes is None else self.merge_small_bytes
         object.__setattr__(self, "merge_small_bytes", check_int(
             "merge_small_bytes", merge_small, minimum=sizes.small, maximum=sizes.full))
+        if self.small_round_trips is not None:
+            object.__setattr__(self, "small_round_trips", check_int(
+                "small_round_trips", self.small_round_trips, minimum=1, maximum=1024))
+            if not self.merge_loads:
+                raise InvalidRequestError("small_round_trips needs merge_loads (the batches that "
+                                          "wait for a round trip merge into the next one)")
         check_size("trim_align", self.trim_align)
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         if not isinstance(self.retry, RetryPolicy):
@@ -261,6 +279,9 @@ class Endpoint:
         #: per (source, large): the group of batches waiting for a receive slab that
         #: later batches from that source join (EndpointConfig.merge_loads)
         self._forming: dict[tuple[int, bool], LoadGroup] = {}
+        #: per source: its small round trips in flight, as lanes lent like slabs
+        #: (EndpointConfig.small_round_trips; empty without a cap)
+        self._lanes: dict[int, SlabPool] = {}
         #: per receive slab, the event of its last unpack (CUDA: reused only once it has run)
         self._unpacked: dict[int, torch.cuda.Event] = {}
         self._idle: anyio.Event | None = None
@@ -757,29 +778,50 @@ class Endpoint:
         recv = self._recv
         assert recv is not None
         large = batch.nbytes > self._small
+        lanes = lane = None
         if not self.config.merge_loads:
             slab = await self._borrow_recv_slab(large)
         else:
             group = self._forming.get((src, large))
             if group is not None and group.fits(batch):
                 return await self._in_group(group, group.add(batch))
-            ticket = recv.pool.enqueue(large)
-            if not ticket.granted:  # every slab is busy: wait as a group
+            if not large and self.config.small_round_trips is not None:
+                lanes = self._lanes_of(src)
+                lane = lanes.enqueue(False)
+            # every small round trip to src is busy, or every slab is: wait as a group
+            ticket = recv.pool.enqueue(large) if lane is None or lane.granted else None
+            if ticket is None or not ticket.granted:
                 assert self._tg is not None
                 group = LoadGroup(src, large, self.config.sizes.full if large
                                   else self._merge_small, ticket)
+                group.lane = lane
                 group.done = anyio.Event()
                 self._forming[(src, large)] = group
                 member = group.add(batch)
                 self._tg.start_soon(self._run_group, group)
                 return await self._in_group(group, member)
-            slab = recv.slabs[await ticket.take()]
+            try:
+                slab = recv.slabs[await ticket.take()]
+            except BaseException:
+                if lane is not None:
+                    lane.cancel()  # nothing was requested: the lane is free again
+                raise
         lent = [True]  # cleared when the slab is fenced: it then stays out of the pool
         try:
             return await self._load_into(src, batch, slab, lent)
         finally:
             if lent[0]:  # the copy is terminal (or was never requested): the slab is free
                 recv.pool.release(slab.index)
+            if lanes is not None and lane is not None:
+                lanes.release(lane.claim())  # the round trip is over
+
+    def _lanes_of(self, src: int) -> SlabPool:
+        """``src``'s small round-trip lanes (``EndpointConfig.small_round_trips``)."""
+        lanes = self._lanes.get(src)
+        if lanes is None:
+            assert self.config.small_round_trips is not None
+            lanes = self._lanes[src] = SlabPool(range(self.config.small_round_trips))
+        return lanes
 
     async def _in_group(self, group: LoadGroup, member: Member) -> int:
         """Wait for ``member``'s group. Cancelled before the group starts, the member
@@ -790,9 +832,11 @@ class Endpoint:
         except BaseException:
             if not group.started:
                 group.remove(member)
-                if not group.members:  # nobody left: the group leaves the slab queue
+                if not group.members:  # nobody left: the group leaves the queues
                     self._close_group(group)
-                    group.ticket.cancel()
+                    for ticket in (group.ticket, group.lane):
+                        if ticket is not None:
+                            ticket.cancel()
                     if group.scope is not None:
                         group.scope.cancel()
                 raise
@@ -817,10 +861,15 @@ class Endpoint:
         recv = self._recv
         assert recv is not None
         index: int | None = None
+        lane: int | None = None
         src = group.src
         try:
-            if group.members:  # (the last member to leave cancels the ticket and this scope)
+            if group.members:  # (the last member to leave cancels the tickets and this scope)
                 with anyio.CancelScope() as group.scope:
+                    if group.lane is not None:  # first a small round trip to src, then a slab
+                        lane = await group.lane.take()
+                        if group.ticket is None:
+                            group.ticket = recv.pool.enqueue(False)
                     try:
                         index = await self._take(group.ticket)
                     except XavierError as exc:  # a replacement slab could not be registered
@@ -851,6 +900,12 @@ class Endpoint:
         finally:
             self._close_group(group)
             group.started = True
+            if lane is not None:  # the round trip is over (or never started)
+                self._lanes_of(src).release(lane)
+            elif group.lane is not None:
+                group.lane.cancel()
+            if group.ticket is not None and index is None:
+                group.ticket.cancel()  # (idempotent) a slab granted to nobody goes back
             # whatever stopped this task (the endpoint's shutdown), no member waits forever
             group.fail(EndpointClosedError("the endpoint closed while this load waited"))
             group.done.set()

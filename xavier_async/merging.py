@@ -74,7 +74,7 @@ class LoadGroup:
     this module stays free of I/O)."""
 
     __slots__ = ("src", "large", "limit", "members", "nbytes", "started", "ticket", "done",
-                 "scope")
+                 "scope", "lane")
 
     def __init__(self, src: int, large: bool, limit: int, ticket: Any = None) -> None:
         self.src, self.large, self.limit = src, large, limit
@@ -86,6 +86,9 @@ class LoadGroup:
         self.ticket = ticket
         self.done: Any = None
         self.scope: Any = None
+        #: a small group's place in its source's round-trip lanes
+        #: (``EndpointConfig.small_round_trips``; None: no cap)
+        self.lane: Any = None
 
     def fits(self, batch: PlannedBatch) -> bool:
         """Whether ``batch`` can still join (the group has not started and has room)."""

@@ -158,6 +158,14 @@ class Ticket:
         self._done = True
         return self.index
 
+    def claim(self) -> int:
+        """A ticket granted at once (by :meth:`SlabPool.enqueue`) taken without awaiting:
+        the borrower owns the slab from now on, as after :meth:`take`."""
+        if self.index is None or self._done:
+            raise RuntimeError("only a granted ticket that was not taken can be claimed")
+        self._done = True
+        return self.index
+
     def cancel(self) -> None:
         """Leave the queue, or give the slab back if it was granted (idempotent; nothing
         once :meth:`take` has returned)."""

@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EndpointConfig.merge_small_bytes of the serving section's merged runs "
                         "(how large a group of waiting small batches may grow); default: the "
                         "engine's default (the small view)")
+    b.add_argument("--serving-small-trips", type=_positive, metavar="N", default=None,
+                   help="EndpointConfig.small_round_trips of the serving section's merged runs "
+                        "(at most N round trips of small batches in flight per source; the "
+                        "others wait and merge); default: no cap")
     b.add_argument("--serving-trimmed", action="store_true",
                    help="the serving section's endpoints (every run) copy only the payload "
                         "(EndpointConfig.trimmed) instead of the whole view")
@@ -176,7 +180,8 @@ def _bench(args: argparse.Namespace) -> int:
                             serving_merge_small=args.serving_merge_small,
                             serving_trimmed=args.serving_trimmed,
                             serving_host_profile=args.serving_host_profile,
-                            serving_rounds=args.serving_rounds)
+                            serving_rounds=args.serving_rounds,
+                            serving_small_trips=args.serving_small_trips)
     except ValueError as exc:
         print(f"xavier-async bench: {exc}", file=sys.stderr)
         return 2

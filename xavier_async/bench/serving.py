@@ -107,7 +107,8 @@ def config_for(k: int | None, merge: bool = True, **base: Any) -> EndpointConfig
 
 def endpoint_base(o: BenchOptions, merge: bool) -> dict[str, Any]:
     """The EndpointConfig fields of every endpoint of a run, before K and merging: the
-    sizes, ``--serving-trimmed``, ``--serving-merge-small`` (merged runs only), and every
+    sizes, ``--serving-trimmed``, ``--serving-merge-small`` and ``--serving-small-trips``
+    (merged runs only), and every
     (send slab, view, receive slab) mapped as peers join, as a serving engine would
     configure it (registrations are then flat whatever pairs the traffic uses)."""
     base: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, map_eagerly=True)
@@ -115,6 +116,8 @@ def endpoint_base(o: BenchOptions, merge: bool) -> dict[str, Any]:
         base["trimmed"] = True
     if merge and o.serving_merge_small is not None:
         base["merge_small_bytes"] = o.serving_merge_small
+    if merge and o.serving_small_trips is not None:
+        base["small_round_trips"] = o.serving_small_trips
     return base
 
 
@@ -123,6 +126,7 @@ def slab_counts(cfg: EndpointConfig) -> dict[str, Any]:
     copies are trimmed."""
     return {"receive_slabs": cfg.receive_slabs, "send_slabs": cfg.send_slabs,
             "merge_loads": cfg.merge_loads, "merge_small_bytes": cfg.merge_small_bytes,
+            "small_round_trips": cfg.small_round_trips,
             "trimmed": cfg.trimmed}
 
 
@@ -643,6 +647,8 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
              + (f"; merged groups of small batches up to {d['merge_small_bytes'] // 1024} KiB"
                 if d.get("merge_small_bytes", s.get("small_bytes")) != s.get("small_bytes") else "")
              + ("; trimmed copies" if d.get("trimmed") else "")
+             + (f"; at most {d['small_round_trips']} small round trips per source"
+                if d.get("small_round_trips") else "")
              + (f"; the median of {s['rounds']} alternating rounds" if s.get("rounds", 1) > 1 else ""))
     spread = s.get("spread", {})
     target_rows = [[k, f"{v['value']:.3g}", f"{'<=' if k not in _AT_LEAST else '>='} {v['limit']:.3g}",

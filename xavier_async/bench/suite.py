@@ -95,6 +95,8 @@ class BenchOptions:
     serving_slabs: int | None = None
     #: ``merge_small_bytes`` of the merged serving runs (None: the engine's default)
     serving_merge_small: int | None = None
+    #: ``small_round_trips`` of the merged serving runs (None: no cap, the engine's default)
+    serving_small_trips: int | None = None
     #: the serving section's endpoints (every run) copy only the payload (``trimmed``)
     serving_trimmed: bool = False
     #: count each serving process's host time per callback and engine function, per phase
@@ -118,6 +120,10 @@ class BenchOptions:
                 or not self.small_bytes <= self.serving_merge_small <= self.full_bytes):
             raise ValueError("serving_merge_small must be an int from the small view to the full "
                              f"slab, got {self.serving_merge_small!r}")
+        if self.serving_small_trips is not None and (type(self.serving_small_trips) is not int
+                                                     or not 1 <= self.serving_small_trips <= 1024):
+            raise ValueError("serving_small_trips must be an int from 1 to 1024, got "
+                             f"{self.serving_small_trips!r}")
         if type(self.serving_rounds) is not int or not 1 <= self.serving_rounds <= 100:
             raise ValueError(f"serving_rounds must be an int from 1 to 100, got {self.serving_rounds!r}")
         if self.device not in ("auto", "cpu", "cuda"):
