@@ -406,6 +406,34 @@ def test_a_request_that_fits_one_batch_is_planned_without_a_dummy_request():
     assert calls == [] and planner.misses == 4
 
 
+def test_layers_of_one_block_size_are_shaped_without_a_loop_over_layers():
+    """When every layer has the same block size and slot count, a new subset of layers is
+    shaped arithmetically (no per-layer walk): the same batch as the general planner;
+    layers of different sizes take the per-layer walk and agree too."""
+    import xavier_async.planning as planning
+    same = CacheLayout.of({i: torch.zeros(64, 8) for i in range(24)})
+    mixed = CacheLayout.of({i: torch.zeros(64, 8 + 4 * (i % 2)) for i in range(24)})
+    walked = []
+    real = Planner._one_batch
+    Planner._one_batch = lambda self, *a: walked.append(a) or real(self, *a)  # type: ignore[method-assign]
+    try:
+        for layout, walks in ((same, False), (mixed, True)):
+            planner = Planner(layout, 1 << 20)
+            walked.clear()
+            for layers in ([0, 5, 7], [1, 2], list(range(24)), [23], ["x"]):
+                req = {1: {layer: {"h": 3, "g": 4} for layer in layers}}
+                if layers == ["x"]:  # an unknown layer: the general path names it
+                    with pytest.raises(InvalidRequestError, match="layer"):
+                        planner.plan(req)
+                    continue
+                (b,) = planner.plan(req)
+                assert b.batch() == _old(req, layout, 1 << 20)[0][1]
+            assert bool(walked) is walks and planner.misses == 4
+    finally:
+        Planner._one_batch = real  # type: ignore[method-assign]
+    assert planning.Planner._one_batch is real
+
+
 @pytest.mark.parametrize("req", [
     {1: {0: {"a": 0, "b": 0}}},                  # conflict
     {1: {0: {"a": 99}}},                         # out of range

@@ -289,6 +289,8 @@ class PlannedBatch:
 
 
 _KEY_TYPES = frozenset((int, str, bytes))
+#: the exact types of a layer id the shortcut accepts (bool, an int subclass, is not one)
+_LAYER_TYPES = frozenset((int, str))
 
 
 class Planner:
@@ -305,6 +307,12 @@ class Planner:
         self.cache_size = cache_size
         self._all = tuple(layout.layers)
         self._shapes: dict[tuple[tuple[Any, ...], int], tuple[tuple[BatchShape, ...], int]] = {}
+        #: every layer's (block size, slots) when all layers have the same ones (the usual
+        #: case): a request for any subset of them is then shaped without a loop over layers
+        specs = list(layout.layers.values())
+        same = {(sp.block_nbytes, sp.num_slots) for sp in specs}
+        self._same: tuple[int, int] | None = next(iter(same)) if len(same) == 1 else None
+        self._layer_set = frozenset(layout.layers)
         self.hits = 0
         self.misses = 0
 
@@ -365,6 +373,21 @@ class Planner:
 
     def _make_shapes(self, layer_ids: tuple[Any, ...], n: int,
                      ) -> tuple[tuple[BatchShape, ...], int] | None:
+        same = self._same
+        if same is not None and _LAYER_TYPES.issuperset(map(type, layer_ids)) \
+                and self._layer_set.issuperset(layer_ids):
+            # every layer has the same block size: segment i starts at i x the aligned
+            # segment size, which is what _one_batch computes layer by layer
+            bn, nslots = same
+            k = len(layer_ids)
+            stride = align_up(n * bn, SEGMENT_ALIGN)
+            end = stride * (k - 1) + n * bn
+            if bn <= self.full_bytes and end <= self.full_bytes:
+                self.misses += 1
+                shape = BatchShape(layer_ids, (0,) * k, (n,) * k, tuple(range(0, stride * k, stride)),
+                                   (bn,) * k, end, n * bn * k,
+                                   (None,) + tuple([layer, 0] for layer in layer_ids[1:]), (0,))
+                return self._keep(layer_ids, n, (shape,), nslots)
         specs = self.layout.layers
         for layer in layer_ids:
             if layer is ALL_LAYERS or isinstance(layer, bool) or not isinstance(layer, (int, str)) \
@@ -422,7 +445,10 @@ class Planner:
     def _remember(self, layer_ids: tuple[Any, ...], n: int, shapes: tuple[BatchShape, ...],
                   ) -> tuple[tuple[BatchShape, ...], int]:
         specs = self.layout.layers
-        nslots = min(specs[layer].num_slots for layer in layer_ids)
+        return self._keep(layer_ids, n, shapes, min(specs[layer].num_slots for layer in layer_ids))
+
+    def _keep(self, layer_ids: tuple[Any, ...], n: int, shapes: tuple[BatchShape, ...], nslots: int,
+              ) -> tuple[tuple[BatchShape, ...], int]:
         if len(self._shapes) >= self.cache_size:
             self._shapes.pop(next(iter(self._shapes)))  # oldest first
         entry = (shapes, nslots)
