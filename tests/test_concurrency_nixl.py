@@ -99,12 +99,15 @@ def _untouched(caches, request) -> bool:
 
 
 @pytest.mark.asyncio
-async def test_nixl_concurrent_loads_under_injected_faults_never_write_a_wrong_byte():
+@pytest.mark.parametrize("capped", [False, True], ids=["uncapped", "one_small_round_trip"])
+async def test_nixl_concurrent_loads_under_injected_faults_never_write_a_wrong_byte(capped):
     """Rounds of 16 concurrent loads from two source processes whose transports fail and
     stall writes at random, with some loads cancelled after a random short delay, so that
     merged groups meet failures and cancellations. Every load that returns has exactly the
     source's bytes; every load that fails left its slots untouched; a cancelled load either
-    left them untouched or completed (never a mix, never a wrong byte)."""
+    left them untouched or completed (never a mix, never a wrong byte). Capped
+    (``small_round_trips=1``), loads also wait for, and are cancelled while waiting for,
+    their source's small round trip; afterwards no round trip is left held or queued."""
     expected = {r: pattern_caches(SPEC, r, SEED) for r in (1, 2)}
     local = {layer: t.zero_() for layer, t in pattern_caches(SPEC, 0, SEED, HERE).items()}
     cfg = dict(full_bytes=16 * KiB, small_bytes=4 * KiB)   # a small group: up to 8 blocks
@@ -114,7 +117,8 @@ async def test_nixl_concurrent_loads_under_injected_faults_never_write_a_wrong_b
     outcomes = {"ok": 0, "failed": 0, "cancelled": 0}
     try:
         async with Endpoint(0, local, NixlTransport(),
-                            EndpointConfig(**cfg, request_timeout=10.0)) as ep:
+                            EndpointConfig(**cfg, request_timeout=10.0,
+                                           small_round_trips=1 if capped else None)) as ep:
             rng = random.Random(7)
 
             async def one(i: int, request: dict) -> None:
@@ -156,6 +160,8 @@ async def test_nixl_concurrent_loads_under_injected_faults_never_write_a_wrong_b
                         for i, request in enumerate(requests):
                             tg.start_soon(one, i, request)
             merged = sum(ep.metrics.peer(r).batches_merged for r in procs)
+            assert bool(ep._lanes) is capped
+            assert all(lanes.held == lanes.waiting == 0 for lanes in ep._lanes.values())
         assert outcomes["ok"] > 0 and outcomes["failed"] > 0, outcomes   # faults really hit
         assert merged > 0, "no batch was merged: the faults met no group"
     finally:
