@@ -18,7 +18,9 @@ transport calls. Loading from a peer (many such loads may be in flight at once):
 
 Batches from one source that would wait for a receive slab are merged into one request
 (``EndpointConfig.merge_loads``, :mod:`xavier_async.merging`): a background task waits for
-the slab and carries the whole group's round trip; each load waits for its member.
+the slab and carries the whole group's round trip; each load waits for its member. With
+``EndpointConfig.small_round_trips`` a small batch also waits (in the same group) while
+its source already has that many small round trips in flight.
 
 A copy that has started is waited for (shielded) until it reaches a terminal state, even
 if the caller is cancelled; the cancellation is re-raised afterwards and the batch is not
