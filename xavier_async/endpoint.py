@@ -780,7 +780,7 @@ class Endpoint:
         recv = self._recv
         assert recv is not None
         large = batch.nbytes > self._small
-        lanes = lane = None
+        lane = None
         if not self.config.merge_loads:
             slab = await self._borrow_recv_slab(large)
         else:
@@ -788,8 +788,7 @@ class Endpoint:
             if group is not None and group.fits(batch):
                 return await self._in_group(group, group.add(batch))
             if not large and self.config.small_round_trips is not None:
-                lanes = self._lanes_of(src)
-                lane = lanes.enqueue(False)
+                lane = self._lanes_of(src).enqueue(False)
             # every small round trip to src is busy, or every slab is: wait as a group
             ticket = recv.pool.enqueue(large) if lane is None or lane.granted else None
             if ticket is None or not ticket.granted:
@@ -814,8 +813,8 @@ class Endpoint:
         finally:
             if lent[0]:  # the copy is terminal (or was never requested): the slab is free
                 recv.pool.release(slab.index)
-            if lanes is not None and lane is not None:
-                lanes.release(lane.claim())  # the round trip is over
+            if lane is not None:
+                lane.pool.release(lane.claim())  # the round trip is over
 
     def _lanes_of(self, src: int) -> SlabPool:
         """``src``'s small round-trip lanes (``EndpointConfig.small_round_trips``)."""
@@ -903,7 +902,7 @@ class Endpoint:
             self._close_group(group)
             group.started = True
             if lane is not None:  # the round trip is over (or never started)
-                self._lanes_of(src).release(lane)
+                group.lane.pool.release(lane)
             elif group.lane is not None:
                 group.lane.cancel()
             if group.ticket is not None and index is None:

@@ -512,7 +512,7 @@ def _median_ratio(rounds: Sequence[dict[str, dict[str, Any]]], a: str, b: str) -
     return statistics.median(_loads_per_s(rd[a]) / _loads_per_s(rd[b]) for rd in rounds)
 
 
-#: the figures whose spread over rounds is reported: (name, run, its value in that run)
+#: the figures whose spread over rounds is reported: (name, its value in one round)
 SPREAD: tuple[tuple[str, Callable[[dict[str, dict[str, Any]]], float]], ...] = (
     ("small_p99_mixed_vs_unloaded_p50", lambda rd: rd["default"]["small_p99_mixed_over_unloaded_p50"]),
     ("concurrent_small_loads_per_s_vs_seed", lambda rd: _loads_per_s(rd["default"]) / _loads_per_s(rd["seed"])),
@@ -535,6 +535,9 @@ def round_spread(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[
 _WORST = frozenset({"registrations_after_warmup", "rss_growth_bytes"})
 #: counters summed over rounds (every round's bytes were checked)
 _SUMMED = frozenset({"bytes_checked"})
+_WORST_OR_SUM = {**{k: "worst" for k in _WORST}, **{k: "sum" for k in _SUMMED}}
+#: kept from the first round (tables of their own, not figures)
+_KEPT = frozenset({"stages", "host_time"})
 
 
 def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -550,9 +553,10 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(first, dict):
             return {k: merge([v[k] for v in values if isinstance(v, dict) and k in v],
                              _WORST_OR_SUM.get(k, how)) for k in first}
-        if isinstance(first, bool) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                              for v in values):
-            return all(values) if isinstance(first, bool) and how == "sum" else first
+        if isinstance(first, bool):  # "ok": every round's, where checks are summed
+            return all(values) if how == "sum" else first
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return first
         if how == "worst":
             return max(values)
         if how == "sum":
@@ -564,10 +568,6 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {k: merge([r[k] for r in runs], _WORST_OR_SUM.get(k, "median"))
             if k not in _KEPT else runs[0][k] for k in runs[0]}
 
-
-_WORST_OR_SUM = {**{k: "worst" for k in _WORST}, **{k: "sum" for k in _SUMMED}}
-#: kept from the first round (tables of their own, not figures)
-_KEPT = frozenset({"stages", "host_time"})
 
 
 def serving_targets(s: dict[str, Any], full_bytes: int) -> dict[str, dict[str, Any]]:
