@@ -222,6 +222,16 @@ class BatchShape(NamedTuple):
     fresh: tuple[int, ...]
 
 
+def _single_shape(layer_ids: tuple[Any, ...], n: int, offsets: tuple[int, ...],
+                  sizes: tuple[int, ...], end: int) -> BatchShape:
+    """The shape of ``n`` keys in each of ``layer_ids`` that fit one batch: segment ``i``
+    takes every key of layer ``i`` at ``offsets[i]``; every segment after the first
+    repeats the first one's keys on the wire."""
+    k = len(layer_ids)
+    return BatchShape(layer_ids, (0,) * k, (n,) * k, offsets, sizes, end, n * sum(sizes),
+                      (None,) + tuple([layer, 0] for layer in layer_ids[1:]), (0,))
+
+
 class PlannedBatch:
     """One batch of a planned load: what :class:`Batch` says, made without per-layer Python
     when the request is uniform (the same ``{key: slot}`` in every layer).
@@ -382,11 +392,9 @@ class Planner:
             k = len(layer_ids)
             stride = align_up(n * bn, SEGMENT_ALIGN)
             end = stride * (k - 1) + n * bn
-            if bn <= self.full_bytes and end <= self.full_bytes:
+            if end <= self.full_bytes:  # (so is every block)
                 self.misses += 1
-                shape = BatchShape(layer_ids, (0,) * k, (n,) * k, tuple(range(0, stride * k, stride)),
-                                   (bn,) * k, end, n * bn * k,
-                                   (None,) + tuple([layer, 0] for layer in layer_ids[1:]), (0,))
+                shape = _single_shape(layer_ids, n, tuple(range(0, stride * k, stride)), (bn,) * k, end)
                 return self._keep(layer_ids, n, (shape,), nslots)
         specs = self.layout.layers
         for layer in layer_ids:
@@ -438,9 +446,7 @@ class Planner:
             off = start + n * bn
         if off > self.full_bytes:
             return None
-        k = len(layer_ids)
-        return BatchShape(tuple(layer_ids), (0,) * k, (n,) * k, tuple(offsets), tuple(sizes), off,
-                          n * sum(sizes), (None,) + tuple([layer, 0] for layer in layer_ids[1:]), (0,))
+        return _single_shape(tuple(layer_ids), n, tuple(offsets), tuple(sizes), off)
 
     def _remember(self, layer_ids: tuple[Any, ...], n: int, shapes: tuple[BatchShape, ...],
                   ) -> tuple[tuple[BatchShape, ...], int]:
