@@ -906,7 +906,9 @@ class Endpoint:
             elif group.lane is not None:
                 group.lane.cancel()
             if group.ticket is not None and index is None:
-                group.ticket.cancel()  # (idempotent) a slab granted to nobody goes back
+                # a shutdown while the group waited for its lane leaves its slab ticket
+                # queued: give back a slab granted to nobody (idempotent otherwise)
+                group.ticket.cancel()
             # whatever stopped this task (the endpoint's shutdown), no member waits forever
             group.fail(EndpointClosedError("the endpoint closed while this load waited"))
             group.done.set()
