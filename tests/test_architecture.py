@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parent.parent / "xavier_async"
 LAYERS = {
     "core": ["errors", "_checks", "sizes", "policy", "layout", "planning", "merging", "protocol", "retry",
              "metrics", "stages", "diagram"],
-    "shell": ["shielded", "slabs", "packing", "_triton_runs", "channel", "endpoint", "__init__"],
+    "shell": ["shielded", "slabs", "tasks", "packing", "_triton_runs", "channel", "endpoint", "__init__"],
     "transports": ["transports"],
     "testing": ["testing"],
     "bench": ["bench"],

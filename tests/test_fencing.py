@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+from contextlib import AsyncExitStack
 
 import anyio
 import pytest
@@ -130,6 +131,272 @@ async def test_reconnect_under_a_new_epoch_releases_the_fence_and_refuses_old_re
         assert torch.equal(a.recv_slab.tensor, before)
         await a.load({1: {0: {7: 7}}})
         assert_same_bytes(dst[0][7], src1[0][7])
+
+
+# -- several fences at once (issue 21) ----------------------------------------------------------
+
+SMALL_BLOCKS = dict(full_bytes=16 * KiB, small_bytes=1 * KiB)
+
+
+async def _sources(fabric, n_stalled: int, cfg):
+    """A loader (rank 0), ``n_stalled`` sources whose writes can be held (ranks 1..), and
+    one healthy source (the last rank); every source publishes its 16 slots."""
+    srcs = {r: _caches(r) for r in range(1, n_stalled + 2)}
+    faulty = {r: FaultyTransport(LocalTransport(fabric)) for r in range(1, n_stalled + 1)}
+    eps = [Endpoint(0, {0: zero_cache(16, (256,), torch.float32)}, fabric.transport(), cfg)]
+    for r, caches in srcs.items():
+        eps.append(Endpoint(r, caches, faulty.get(r) or fabric.transport(), cfg))
+    return srcs, faulty, eps
+
+
+def _registered(ep) -> dict[int, object]:
+    """The receive slabs its (local) transport has registered, by index."""
+    inner = getattr(ep.transport, "inner", ep.transport)
+    return dict(inner.recv_slabs)
+
+
+async def test_replacements_registered_at_once_get_distinct_slabs_and_a_healthy_peer_stays_exact():
+    """Two sources time out at once while loads from a third wait: both fences register a
+    replacement concurrently. Each replacement gets its own index (taken before the
+    registration awaits), the transport, the pool and the unpack tables name the same
+    slabs, and every later load from the healthy source returns its exact bytes."""
+    fabric = LocalFabric()
+    cfg = EndpointConfig(**SMALL_BLOCKS, receive_slabs=2, request_timeout=0.2)
+    srcs, faulty, eps = await _sources(fabric, 2, cfg)
+    async with eps[0] as a, eps[1] as b, eps[2] as c, eps[3] as d, AsyncExitStack() as stack:
+        for ep in (b, c, d):
+            await a.connect(ep.address)
+            for s in range(16):
+                ep.publish(s, s)
+        for t in faulty.values():
+            t.hold_next_writes(1)
+        stack.callback(lambda: [t.release_held() for t in faulty.values()])  # lets b, c close
+        outcomes: dict[int, object] = {}
+
+        async def load(src: int, key: int) -> None:
+            try:
+                await a.load({src: {0: {key: key}}})
+                outcomes[key] = "ok"
+            except PeerLostError as exc:
+                outcomes[key] = exc
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load, 1, 1)
+                tg.start_soon(load, 2, 2)
+                while a.recv_slab_stats["in_use"] < 2:
+                    await anyio.sleep(0.005)
+                tg.start_soon(load, 3, 3)   # these wait: both slabs are held
+                tg.start_soon(load, 3, 4)
+        assert isinstance(outcomes[1], PeerLostError) and isinstance(outcomes[2], PeerLostError)
+        assert outcomes[3] == outcomes[4] == "ok"
+        stats = a.recv_slab_stats
+        assert stats["fences"] == 2 and stats["registered"] == 4, stats
+        registered = _registered(a)
+        assert sorted(registered) == sorted(a._slabs.slabs) == [0, 1, 2, 3]
+        assert all(registered[i] is a._slabs.slabs[i] for i in registered)
+        a.check_invariants(idle=True)
+        for key in range(16):
+            a.caches[0][5].zero_()
+            await a.load({3: {0: {key: 5}}})
+            assert_same_bytes(a.caches[0][5], srcs[3][0][key])
+
+
+async def test_a_fence_wakes_a_large_load_held_back_by_the_head_of_line_rule():
+    """Four large loads from a source that stops writing: three hold slabs 0-2, the fourth
+    waits (slab 3 is kept for small batches). When the three time out and are fenced the
+    fourth is woken (the pool shrank, the rule is evaluated again) and fails with
+    PeerLostError at about ``request_timeout``; close returns."""
+    fabric = LocalFabric()
+    cfg = EndpointConfig(**SMALL_BLOCKS, request_timeout=0.3)
+    srcs, faulty, eps = await _sources(fabric, 1, cfg)
+    frozen = faulty[1]
+    a, b, c = eps
+    async with b, c, AsyncExitStack() as stack:
+        stack.callback(frozen.release_held)             # lets b close
+        async with a:
+            for ep in (b, c):
+                await a.connect(ep.address)
+                for s in range(16):
+                    ep.publish(s, s)
+            frozen.hold_next_writes(4)
+            errors: list[BaseException] = []
+
+            async def large(i: int) -> None:
+                with pytest.raises(PeerLostError) as info:   # 2 KiB: larger than the small view
+                    await a.load({1: {0: {2 * i: 2 * i, 2 * i + 1: 2 * i + 1}}})
+                errors.append(info.value)
+
+            t0 = anyio.current_time()
+            with anyio.fail_after(5):
+                async with anyio.create_task_group() as tg:
+                    for i in range(4):
+                        tg.start_soon(large, i)
+                    while a.recv_slab_stats["in_use"] < 3 or a.recv_slab_stats["waiting"] < 1:
+                        await anyio.sleep(0.005)
+                    assert a.recv_slab_stats["in_use"] == 3      # the fourth is held back
+            assert len(errors) == 4
+            assert anyio.current_time() - t0 < 2.0
+            a.check_invariants(idle=True)
+            await a.load({2: {0: {9: 9}}})                   # the healthy source still loads
+            assert_same_bytes(a.caches[0][9], srcs[2][0][9])
+            t0 = anyio.current_time()
+        assert anyio.current_time() - t0 < 2.0               # and close returns
+
+
+async def test_a_reply_naming_another_receive_slab_is_an_integrity_error(monkeypatch):
+    """The receiver unpacks only from the slab the source says it wrote: a reply that
+    names another slab fails the load with IntegrityError, nothing unpacked."""
+    from xavier_async import IntegrityError
+    from xavier_async.channel import PeerChannel
+    fabric = LocalFabric()
+    cfg = EndpointConfig(**SMALL_BLOCKS)
+    src = _caches(1)
+    async with Endpoint(0, {0: zero_cache(16, (256,), torch.float32)}, fabric.transport(), cfg) as a, \
+            Endpoint(1, src, fabric.transport(), cfg) as b:
+        await a.connect(b.address)
+        for s in range(16):
+            b.publish(s, s)
+        await a.load({1: {0: {1: 1}}})
+        assert_same_bytes(a.caches[0][1], src[0][1])
+        commit = PeerChannel.commit
+
+        def lying(self, *args, **kwargs):
+            plan = commit(self, *args, **kwargs)
+            return type(plan)(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__},
+                                 "slab": plan.slab + 1})
+
+        monkeypatch.setattr(PeerChannel, "commit", lying)
+        with pytest.raises(IntegrityError, match="receive slab 1"):
+            await a.load({1: {0: {2: 2}}})
+        assert_same_bytes(a.caches[0][2], torch.zeros(256))
+        monkeypatch.setattr(PeerChannel, "commit", commit)
+        await a.load({1: {0: {2: 2}}})
+        assert_same_bytes(a.caches[0][2], src[0][2])
+
+
+async def test_a_replacement_that_cannot_be_registered_fails_the_waiting_loads():
+    """Every receive slab fenced and the replacement's registration failing (after its
+    retries): the loads waiting for a slab fail with RegistrationError instead of waiting
+    for a slab that cannot come back."""
+    from xavier_async import RegistrationError
+    fabric = LocalFabric()
+    cfg = EndpointConfig(**SMALL_BLOCKS, receive_slabs=1, request_timeout=0.2)
+    srcs, faulty, eps = await _sources(fabric, 1, cfg)
+    a, b, c = eps
+    async with a, b, c, AsyncExitStack() as stack:
+        stack.callback(faulty[1].release_held)          # lets b close
+        for ep in (b, c):
+            await a.connect(ep.address)
+            for s in range(16):
+                ep.publish(s, s)
+        inner = a.transport
+
+        async def refuse(slab):
+            raise OSError("out of registrable memory (injected)")
+
+        faulty[1].hold_next_writes(1)
+        outcomes: list[BaseException] = []
+
+        async def load(src: int, key: int) -> None:
+            try:
+                await a.load({src: {0: {key: key}}})
+            except (PeerLostError, RegistrationError) as exc:
+                outcomes.append(exc)
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load, 1, 1)
+                while a.recv_slab_stats["in_use"] < 1:
+                    await anyio.sleep(0.005)
+                inner.add_recv_slab = refuse
+                tg.start_soon(load, 2, 2)
+                tg.start_soon(load, 2, 3)
+        kinds = sorted(type(e).__name__ for e in outcomes)
+        assert kinds == ["PeerLostError", "RegistrationError", "RegistrationError"], outcomes
+        a.check_invariants(idle=True)
+        del inner.add_recv_slab                            # registrations work again
+        await a.load({2: {0: {4: 4}}})
+        assert_same_bytes(a.caches[0][4], srcs[2][0][4])
+
+
+async def test_a_broken_invariant_in_a_merged_round_trip_fails_only_its_loads(monkeypatch, caplog):
+    """A broken invariant inside a merged group's round trip (here: injected) fails that
+    group's loads with InternalError and is logged; other loads carry on and the endpoint
+    closes normally (nothing escapes ``async with`` as an ExceptionGroup)."""
+    from xavier_async import InternalError
+    fabric = LocalFabric()
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, receive_slabs=1)  # groups of 4
+    src = _caches(1)
+    faulty = FaultyTransport(LocalTransport(fabric))
+    async with Endpoint(0, {0: zero_cache(16, (256,), torch.float32)}, fabric.transport(), cfg) as a, \
+            Endpoint(1, src, faulty, cfg) as b:
+        await a.connect(b.address)
+        for s in range(16):
+            b.publish(s, s)
+        original = a._load_into
+        calls = []
+
+        async def broken(src_, batch, slab, lent):
+            calls.append(batch)
+            if len(calls) == 2:            # the merged group's round trip
+                raise RuntimeError("an invariant broke (injected)")
+            return await original(src_, batch, slab, lent)
+
+        monkeypatch.setattr(a, "_load_into", broken)
+        faulty.hold_next_writes(1)
+        results: dict[int, object] = {}
+
+        async def load(key: int) -> None:
+            try:
+                await a.load({1: {0: {key: key}}})
+                results[key] = "ok"
+            except InternalError as exc:
+                results[key] = exc
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load, 1)              # holds the only slab
+                while a.recv_slab_stats["in_use"] < 1:
+                    await anyio.sleep(0.005)
+                tg.start_soon(load, 2)              # these two wait as one group
+                tg.start_soon(load, 3)
+                while a.recv_slab_stats["waiting"] < 1:
+                    await anyio.sleep(0.005)
+                faulty.release_held()
+        assert results[1] == "ok"
+        assert isinstance(results[2], InternalError) and isinstance(results[3], InternalError)
+        assert "invariant broke" in str(results[2])
+        assert any("merged load" in r.message for r in caplog.records)
+        monkeypatch.setattr(a, "_load_into", original)
+        await a.load({1: {0: {4: 4}}})
+        assert_same_bytes(a.caches[0][4], src[0][4])
+        a.check_invariants(idle=True)
+
+
+async def test_a_background_task_that_raises_never_takes_the_endpoint_down(monkeypatch, caplog):
+    """A background task of the endpoint's (here the eager mapper, made to raise) is
+    logged as a bug; loads carry on and ``async with`` exits normally."""
+    fabric = LocalFabric()
+    cfg = EndpointConfig(**SMALL_BLOCKS, map_eagerly=True)
+    src = _caches(1)
+    a = Endpoint(0, {0: zero_cache(16, (256,), torch.float32)}, fabric.transport(), cfg)
+    b = Endpoint(1, src, fabric.transport(), cfg)
+
+    async def broken(*args):
+        raise RuntimeError("an invariant broke (injected)")
+
+    monkeypatch.setattr(a, "_map_all", broken)
+    with anyio.fail_after(5):
+        async with a, b:
+            await a.connect(b.address)
+            b.publish(3, 3)
+            await anyio.sleep(0.01)
+            assert a._tg.crashes == 1
+            await a.load({1: {0: {3: 3}}})
+            assert_same_bytes(a.caches[0][3], src[0][3])
+    assert any("background task" in r.message and "_map_all" not in r.message or "broken" in r.message
+               for r in caplog.records if r.levelname == "ERROR")
 
 
 # -- over real NIXL, three processes -----------------------------------------------------------

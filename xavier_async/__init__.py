@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from .channel import PeerChannel
 from .endpoint import Endpoint, EndpointConfig, LoadResult
-from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InvalidRequestError,
+from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InternalError,
+                     InvalidRequestError,
                      LayoutMismatchError, PeerLostError, RegistrationError, RemoteError,
                      StaleRequestError, TransferError, UnknownPeerError, XavierError)
 from .layout import ALL_LAYERS
@@ -29,7 +30,8 @@ __all__ = [
     "Transport", "LocalFabric", "LocalTransport", "NixlTransport", "SlabSizes",
     "XavierError", "InvalidRequestError", "LayoutMismatchError", "UnknownPeerError",
     "EndpointClosedError", "RegistrationError", "TransferError", "PeerLostError",
-    "RemoteError", "HandshakeError", "IntegrityError", "StaleRequestError", "__version__",
+    "RemoteError", "HandshakeError", "IntegrityError", "InternalError", "StaleRequestError",
+    "__version__",
 ]
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import anyio
 
-from .errors import InvalidRequestError, PeerLostError, RegistrationError, TransferError
+from .errors import (InternalError, InvalidRequestError, PeerLostError, RegistrationError,
+                     TransferError)
 from .layout import align_up
 from .metrics import PeerMetrics
 from .policy import ChannelPolicy
@@ -42,6 +43,8 @@ class CopyPlan:
     mapping: object
     #: block bytes in the payload (the payload minus alignment gaps between segments)
     useful: int
+    #: the peer's receive slab the mapping writes into (the reply names it)
+    slab: int = 0
 
 
 class PeerChannel:
@@ -121,10 +124,13 @@ class PeerChannel:
         machine) is about to be written; nothing may be awaited between that decision and
         this call. The order of these calls is the machine's input."""
         chosen = self.policy.commit(payload)
-        assert chosen == view, (chosen, view)
+        if chosen != view:
+            raise InternalError(f"the channel machine chose the {chosen} view, the decision "
+                                f"was {view} (something advanced it in between)")
         view_bytes = self.policy.sizes.nbytes(view)
         wire = min(view_bytes, align_up(payload, self.trim_align)) if self.trimmed else view_bytes
-        return CopyPlan(payload, view, view_bytes, wire, self._mappings[send][(view, slab)], useful)
+        return CopyPlan(payload, view, view_bytes, wire, self._mappings[send][(view, slab)], useful,
+                        slab)
 
     async def prepare(self, payload: int) -> CopyPlan:
         """Choose the view for a bare copy, make sure it is mapped, then commit the choice.

@@ -46,9 +46,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ._checks import check_bool, check_int, check_number, check_size
 from .channel import CopyPlan, PeerChannel
-from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InvalidRequestError,
-                     PeerLostError, RegistrationError, RemoteError, TransferError, UnknownPeerError,
-                     XavierError)
+from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InternalError,
+                     InvalidRequestError, PeerLostError, RegistrationError, RemoteError,
+                     TransferError, UnknownPeerError, XavierError)
 from .layout import BlockKey, CacheLayout, LayerId, check_key, check_layer_id, check_slot
 from .merging import LoadGroup, Member, MergedBatch
 from .metrics import EndpointMetrics
@@ -63,6 +63,7 @@ from .retry import RetryPolicy
 from .shielded import wait_terminal
 from .sizes import DEFAULT_FULL_BYTES, SlabSizes
 from .slabs import RecvSlabs, Slab, SlabPool, Ticket, allocate_slab, payload_digest
+from .tasks import Tasks
 from .transports.base import Transport
 from .transports.local import LocalTransport
 
@@ -256,8 +257,7 @@ class Endpoint:
         self._peer_inc: dict[int, str] = {}
         #: peers lost (not disconnected by us): their loads fail with PeerLostError
         self._lost: dict[int, str] = {}
-        self._recv: RecvSlabs | None = None
-        self._recv_rows: dict[int, SlabRows] = {}
+        self._recv: RecvSlabs[SlabRows] | None = None
         self._published: dict[LayerId, dict[BlockKey, int]] = {layer: {} for layer in self.caches}
         self._channels: dict[int, PeerChannel] = {}
         self._peer_hello: dict[int, dict[str, Any]] = {}
@@ -290,10 +290,22 @@ class Endpoint:
         self._state = "new"   # new -> open -> closing -> closed
         self._closed = anyio.Event()
         self._stack: AsyncExitStack | None = None
-        self._tg: TaskGroup | None = None
+        #: every background task (guarded: a crash is logged and fails what it concerns)
+        self._tg: Tasks | None = None
         self._inbox: MemoryObjectSendStream[tuple[int, ParsedLoad, int]] | None = None
         self.send_slab: Slab | None = None
         self._registered_at_start = 0
+
+    def _rows_of(self, slab: Slab) -> SlabRows:
+        """A receive slab's unpack table (made once, when the slab joins)."""
+        return SlabRows(slab.tensor, self._block_sizes)
+
+    @property
+    def _slabs(self) -> RecvSlabs[SlabRows]:
+        """The receive slabs (they exist from ``__aenter__`` on)."""
+        if self._recv is None:
+            raise EndpointClosedError("endpoint is not open (use `async with Endpoint(...)`)")
+        return self._recv
 
     @property
     def recv_slab(self) -> Slab | None:
@@ -351,14 +363,12 @@ class Endpoint:
                 except Exception:  # no Triton here: the tensor path
                     log.info("fused pack/unpack unavailable; using tensor copies", exc_info=True)
             self._send_rows = [SlabRows(slab.tensor, self._block_sizes) for slab in self._send_slabs]
-            self._recv = RecvSlabs(recv_slabs)
-            self._recv_rows = {slab.index: SlabRows(slab.tensor, self._block_sizes)
-                               for slab in recv_slabs}
+            self._recv = RecvSlabs(recv_slabs, self._rows_of)
             await stack.__aenter__()
             outer = await stack.enter_async_context(anyio.create_task_group())
             # Background work runs in a task group hosted by a task of its own, so that
             # stopping it (aclose) never cancels the caller's code inside `async with`.
-            self._tg = await outer.start(self._host_background)
+            self._tg = Tasks(await outer.start(self._host_background), f"rank {self.rank}")
             send, recv = anyio.create_memory_object_stream[tuple[int, ParsedLoad, int]](
                 max_buffer_size=1 << 16)
             self._inbox = send
@@ -398,10 +408,10 @@ class Endpoint:
         try:
             await self.aclose()
         finally:
-            assert self._stack is not None
             # The body's exception is not fed to our task group: it would come out wrapped
             # in an ExceptionGroup. aclose() has already stopped the background tasks.
-            await self._stack.__aexit__(None, None, None)
+            if self._stack is not None:
+                await self._stack.__aexit__(None, None, None)
         return None
 
     @staticmethod
@@ -411,8 +421,20 @@ class Endpoint:
             await anyio.sleep_forever()
 
     async def _shutdown_tasks(self) -> None:
-        assert self._tg is not None
-        self._tg.cancel_scope.cancel()
+        if self._tg is not None:
+            self._tg.cancel()
+
+    @property
+    def _running(self) -> bool:
+        """Open, with its task group: new background work may start."""
+        return self._tg is not None and self._state == "open"
+
+    def _spawn(self, func: Any, *args: Any, on_crash: Any = None) -> None:
+        """Start a guarded background task (a crash is logged and fails what it concerns
+        through ``on_crash``; it never escapes ``async with``)."""
+        if self._tg is None:
+            raise EndpointClosedError("endpoint is not open")
+        self._tg.start_soon(func, *args, on_crash=on_crash)
 
     async def aclose(self) -> None:
         """Drain in-flight work, reject new work, release the transport. Idempotent; a
@@ -442,7 +464,7 @@ class Endpoint:
                 self._state = "closed"
                 self._closed.set()
                 if self._tg is not None:
-                    self._tg.cancel_scope.cancel()
+                    self._tg.cancel()
         if held is not None:
             raise held
 
@@ -545,7 +567,6 @@ class Endpoint:
 
     def _peer_joined(self, peer: int, hello: dict[str, Any]) -> None:
         cfg = self.config
-        assert self.send_slab is not None
         facts = peer_facts(self.rank, hello, self._epoch)
         self._epoch[peer] = facts.epoch_as_receiver
         self._min_epoch[peer] = facts.min_epoch
@@ -562,8 +583,8 @@ class Endpoint:
             peer, self.transport, self._send_slabs, ChannelPolicy.of(cfg.sizes, cfg.streak),
             cfg.retry, self.metrics.peer(peer), trimmed=cfg.trimmed, trim_align=cfg.trim_align)
         self._peer_hello[peer] = hello
-        if cfg.map_eagerly and self._tg is not None and self._state == "open":
-            self._tg.start_soon(self._map_all, peer, self._channels[peer])
+        if cfg.map_eagerly and self._running:
+            self._spawn(self._map_all, peer, self._channels[peer])
 
     async def _map_all(self, peer: int, ch: PeerChannel) -> None:
         """``map_eagerly``: map every (send slab, view, receive slab) pair for ``peer``."""
@@ -588,8 +609,8 @@ class Endpoint:
         self._peer_hello.pop(peer, None)
         if ch is not None:
             ch.reset_now()
-        if disconnect and self._tg is not None and self._state == "open":
-            self._tg.start_soon(self._disconnect_lost, peer)
+        if disconnect and self._running:
+            self._spawn(self._disconnect_lost, peer)
 
     async def _disconnect_lost(self, peer: int) -> None:
         """Release a lost peer's connection, unless it has connected again meanwhile (a
@@ -652,10 +673,7 @@ class Endpoint:
             if src == self.rank:
                 raise InvalidRequestError(f"rank {src} cannot load from itself")
             if src not in self._channels:
-                if src in self._lost:
-                    raise PeerLostError(f"rank {src} was lost ({self._lost[src]}); reconnect it, "
-                                        "or disconnect() it to forget it")
-                raise UnknownPeerError(f"rank {src} is not connected to rank {self.rank}")
+                raise self._not_connected(src)
         self._stages.plan.record(perf_counter_ns() - t0)
         self._enter_work()
         self.metrics.loads += 1
@@ -685,6 +703,14 @@ class Endpoint:
         self._stages.total.record(perf_counter_ns() - t0)
         return LoadResult(len(batches), blocks, useful, wire)
 
+    def _not_connected(self, src: int) -> XavierError:
+        """Why ``src`` cannot be loaded from: lost (its loads fail until it reconnects) or
+        unknown."""
+        if src in self._lost:
+            return PeerLostError(f"rank {src} was lost ({self._lost[src]}); reconnect it, "
+                                 "or disconnect() it to forget it")
+        return UnknownPeerError(f"rank {src} is not connected to rank {self.rank}")
+
     async def _probe(self, src: int, items: list[Any]) -> None:
         """Ask ``src`` whether every key in ``items`` is published (nothing is written)."""
         replied = anyio.Event()
@@ -706,16 +732,14 @@ class Endpoint:
         while waiting takes nothing). When fences have left fewer than K usable slabs and
         none is free, a replacement is allocated and registered (a registration caused by
         a failure, never in steady state)."""
-        recv = self._recv
-        assert recv is not None
+        recv = self._slabs
         return recv.slabs[await self._take(recv.pool.enqueue(large))]
 
     async def _take(self, ticket: Ticket) -> int:
         """Wait for ``ticket``'s slab; first, if fences have left the pool short and the
         ticket must wait, register a replacement (it joins the pool: granted to the first
         waiter). A failure or a cancellation cancels the ticket: it takes nothing."""
-        recv = self._recv
-        assert recv is not None
+        recv = self._slabs
         try:
             if not ticket.granted and recv.short():
                 await self._add_recv_slab()
@@ -725,12 +749,14 @@ class Endpoint:
         return await ticket.take()
 
     async def _add_recv_slab(self) -> None:
-        """Allocate and register one more receive slab (replacing a fenced one)."""
-        recv = self._recv
-        assert recv is not None
+        """Allocate and register one more receive slab (replacing a fenced one). Its
+        index is taken before anything is awaited (two replacements registered at once
+        never share one); it joins the pool, with its unpack table, only once the
+        transport has registered it."""
+        recv = self._slabs
         self._check_open()
         sizes = self.config.sizes
-        slab = allocate_slab("recv", sizes.full, sizes.small, self.layout.device, recv.next_index)
+        slab = allocate_slab("recv", sizes.full, sizes.small, self.layout.device, recv.new_index())
         recv.registering += 1
         try:
             with anyio.CancelScope(shield=True):  # registered and pooled, or neither
@@ -741,7 +767,6 @@ class Endpoint:
             raise RegistrationError(f"registering a replacement receive slab failed: {exc}") from exc
         finally:
             recv.registering -= 1
-        self._recv_rows[slab.index] = SlabRows(slab.tensor, self._block_sizes)
         recv.add(slab)
         log.info("rank %d: receive slab %d registered (replaces a fenced one)", self.rank, slab.index)
 
@@ -749,25 +774,41 @@ class Endpoint:
         """After a fence: loads already waiting for a slab get a replacement registered
         for them (a load that arrives later does it itself)."""
         recv = self._recv
-        if recv is not None and recv.pool.waiting and recv.short() and self._tg is not None \
-                and self._state == "open":
+        if recv is not None and recv.pool.waiting and recv.short() and self._running:
             recv.registering += 1  # counted at once: one replacement per shortage
-            self._tg.start_soon(self._replenish)
+            self._spawn(self._replenish)
 
     async def _replenish(self) -> None:
-        assert self._recv is not None
-        self._recv.registering -= 1
-        try:
-            await self._add_recv_slab()
-        except Exception:
-            log.warning("rank %d: registering a replacement receive slab failed; waiting loads "
-                        "wait for a slab to come back", self.rank, exc_info=True)
+        """Register a replacement for the loads waiting for a slab, retried with the
+        config's backoff. If it cannot be registered and no slab is left in the pool to
+        come back to them, the waiters fail with :class:`RegistrationError`."""
+        recv = self._slabs
+        recv.registering -= 1
+        delays = self.config.retry.delays()
+        while True:
+            try:
+                await self._add_recv_slab()
+                return
+            except Exception as exc:
+                delay = next(delays, None)
+                if delay is not None and self._running and recv.pool.waiting and recv.short():
+                    await anyio.sleep(delay)
+                    continue
+                if not recv.pool.usable and not recv.registering:
+                    n = recv.pool.fail_waiters(RegistrationError(
+                        f"every receive slab is fenced and a replacement could not be "
+                        f"registered: {exc}"))
+                    log.warning("rank %d: registering a replacement receive slab failed; %d "
+                                "waiting load(s) failed", self.rank, n, exc_info=True)
+                else:
+                    log.warning("rank %d: registering a replacement receive slab failed; waiting "
+                                "loads wait for a slab to come back", self.rank, exc_info=True)
+                return
 
     def _fence(self, src: int, req: PendingRequest, slab: Slab) -> None:
         """``src`` may still write ``slab`` for ``req``: it leaves the pool and is never
         loaded into again until that is impossible (see :class:`RecvSlabs`)."""
-        assert self._recv is not None
-        self._recv.fence(slab.index, src, self._peer_inc.get(src, ""), req.req_id)
+        self._slabs.fence(slab.index, src, self._peer_inc.get(src, ""), req.req_id)
         log.warning("rank %d: receive slab %d fenced (rank %d may still write it for request %d)",
                     self.rank, slab.index, src, req.req_id)
         self._replenish_soon()
@@ -777,8 +818,7 @@ class Endpoint:
         larger than the small view is "large"), request, wait, unpack, give it back. With
         ``merge_loads``, a batch that would wait for a slab joins its source's forming
         group (or starts one) instead, and is carried by the group's round trip."""
-        recv = self._recv
-        assert recv is not None
+        recv = self._slabs
         large = batch.nbytes > self._small
         lane = None
         if not self.config.merge_loads:
@@ -792,14 +832,13 @@ class Endpoint:
             # every small round trip to src is busy, or every slab is: wait as a group
             ticket = recv.pool.enqueue(large) if lane is None or lane.granted else None
             if ticket is None or not ticket.granted:
-                assert self._tg is not None
                 group = LoadGroup(src, large, self.config.sizes.full if large
                                   else self._merge_small, ticket)
                 group.lane = lane
                 group.done = anyio.Event()
                 self._forming[(src, large)] = group
                 member = group.add(batch)
-                self._tg.start_soon(self._run_group, group)
+                self._spawn(self._run_group, group)
                 return await self._in_group(group, member)
             try:
                 slab = recv.slabs[await ticket.take()]
@@ -820,8 +859,7 @@ class Endpoint:
         """``src``'s small round-trip lanes (``EndpointConfig.small_round_trips``)."""
         lanes = self._lanes.get(src)
         if lanes is None:
-            assert self.config.small_round_trips is not None
-            lanes = self._lanes[src] = SlabPool(range(self.config.small_round_trips))
+            lanes = self._lanes[src] = SlabPool(range(self.config.small_round_trips or 1))
         return lanes
 
     async def _in_group(self, group: LoadGroup, member: Member) -> int:
@@ -859,8 +897,7 @@ class Endpoint:
         """A group's round trip (a background task): wait for its slab, then load every
         member as one batch; each member gets its share or its own copy of the error. A
         merged request the source refuses is asked again batch by batch."""
-        recv = self._recv
-        assert recv is not None
+        recv = self._slabs
         index: int | None = None
         lane: int | None = None
         src = group.src
@@ -892,12 +929,15 @@ class Endpoint:
                     await self._load_each(group, slab, lent)  # a refusal: nothing moved
             except XavierError as exc:
                 group.fail(exc)
-            except Exception as exc:
+            except Exception as exc:  # a broken invariant: logged, the members fail typed
                 log.exception("rank %d: a merged load from rank %d failed", self.rank, src)
-                group.fail(TransferError(f"loading from rank {src} failed: {exc!r}"))
+                group.fail(InternalError(f"loading from rank {src} failed: {exc!r}"))
             finally:
                 if lent[0]:
                     recv.pool.release(index)
+        except Exception as exc:  # a broken invariant: the members fail with a typed error
+            group.fail(InternalError(f"a merged load from rank {src} failed: {exc!r}"))
+            raise  # (logged by the task guard)
         finally:
             self._close_group(group)
             group.started = True
@@ -932,6 +972,8 @@ class Endpoint:
     async def _load_into(self, src: int, batch: PlannedBatch | MergedBatch, slab: Slab,
                          lent: list[bool]) -> int:
         m = self.metrics.peer(src)
+        if src not in self._channels:  # lost (or gone) while this batch waited for a slab
+            raise self._not_connected(src)
         self._recv_slab_free(slab)
         if slab.index:
             await self.transport.share_recv_slab(src, slab)
@@ -981,6 +1023,13 @@ class Endpoint:
         if req.error is not None:
             m.load_errors += 1
             raise req.error
+        if req.slab != slab.index:  # unpack only from the slab the source says it wrote
+            m.load_errors += 1
+            log.error("rank %d: rank %d reports writing receive slab %d for request %d, which "
+                      "asked for slab %d", self.rank, src, req.slab, req.req_id, slab.index)
+            raise IntegrityError(
+                f"rank {src} reports writing receive slab {req.slab}, but this batch was "
+                f"requested into slab {slab.index}: not unpacked, the slots keep their contents")
         # a cancellation that arrived during the copy surfaces here, before unpacking
         await anyio.lowlevel.checkpoint()
         if self.config.verify:
@@ -1004,7 +1053,7 @@ class Endpoint:
         # is spun on briefly (a small unpack is done within that), then polled, shielded
         # (the slots are being written whatever happens), so that other loads progress
         # while the device copies a large batch instead of the event loop blocking
-        event = unpack(self._recv_rows[slab.index], batch, self._cache_table, self._device_runs,
+        event = unpack(self._slabs.rows[slab.index], batch, self._cache_table, self._device_runs,
                        wait=False)
         if event is None:
             return
@@ -1065,8 +1114,8 @@ class Endpoint:
     def _on_probe(self, peer: int, probe: Probe) -> None:
         stale = check_epoch(probe.req_id, probe.epoch, self._min_epoch.get(peer, 0))
         err = stale.error if stale is not None else check_probe(probe, self.layout, self._published)
-        if self._tg is not None and self._state == "open":
-            self._tg.start_soon(self._reply, peer, probe.req_id, err)
+        if self._running:
+            self._spawn(self._reply, peer, probe.req_id, err)
 
     async def _reply(self, peer: int, req_id: int, err: XavierError | None) -> None:
         if err is not None:
@@ -1142,28 +1191,27 @@ class Endpoint:
             raise TransferError(f"packing a batch for rank {ch.peer} failed: {exc!r}") from exc
         posted = perf_counter_ns()
         self._stages.pack.record(posted - t_pack)
-        pending = ch.post(plan, Landed(load.req_id, plan.wire_bytes, digest).to_wire())
+        pending = ch.post(plan, Landed(load.req_id, plan.wire_bytes, digest, plan.slab).to_wire())
         if pending is None:
             self._stages.post_to_done.record(perf_counter_ns() - posted)
         return plan, pending, posted
 
     def _post_inline(self, ch: PeerChannel, peer: int, ready: Ready, send: int) -> None:
         """Serve from the poller (send slab ``send`` held, work counted); never raises."""
-        assert self._tg is not None
         try:
             plan, pending, posted = self._post(ch, ready, send)
         except Exception as exc:  # reply with the error; never raise into the poller
             self._send.release(send)
             self._leave_work()
             err = exc if isinstance(exc, XavierError) else TransferError(f"serving failed: {exc!r}")
-            self._tg.start_soon(self._after_failure, ch, peer, ready.load.req_id, err)
+            self._spawn(self._after_failure, ch, peer, ready.load.req_id, err)
             return
         if pending is None:
             self._send.release(send)
             self._leave_work()
         else:
-            self._tg.start_soon(self._finish_inline, ch, peer, ready.load.req_id, plan, pending,
-                                posted, send)
+            self._spawn(self._finish_inline, ch, peer, ready.load.req_id, plan, pending, posted,
+                        send)
 
     async def _finish_inline(self, ch: PeerChannel, peer: int, req_id: int, plan: CopyPlan,
                              pending: object, posted: int, send: int) -> None:
@@ -1181,8 +1229,8 @@ class Endpoint:
         await self._reply_error(peer, req_id, exc)
 
     def _spawn_reply(self, peer: int, req_id: int, exc: XavierError) -> None:
-        if self._tg is not None and self._state == "open":
-            self._tg.start_soon(self._reply_error, peer, req_id, exc)
+        if self._running:
+            self._spawn(self._reply_error, peer, req_id, exc)
 
     async def _reply_error(self, peer: int, req_id: int, exc: XavierError) -> None:
         # settled: no write of ours to the peer can still land (a timed-out copy can)
@@ -1197,12 +1245,11 @@ class Endpoint:
         send-slab pool's line here, synchronously, so requests get send slabs in the order
         they arrived (FIFO; a large one held back by the head-of-line rule does not hold
         back small ones behind it)."""
-        assert self._tg is not None
         async with inbox:
             async for peer, parsed, arrived in inbox:
                 ticket = self._send.enqueue(parsed.payload > self._small)
                 self._inflight += 1
-                self._tg.start_soon(self._serve_queued, peer, parsed, arrived, ticket)
+                self._spawn(self._serve_queued, peer, parsed, arrived, ticket)
 
     async def _serve_queued(self, peer: int, load: ParsedLoad, arrived: int, ticket: Ticket) -> None:
         """Serve a request that may need awaiting: a send slab to wait for, a view to map.
@@ -1264,6 +1311,28 @@ class Endpoint:
             self._leave_work()
 
     # -- diagnostics --------------------------------------------------------------------
+    def check_invariants(self, *, idle: bool = False) -> None:
+        """Raise :class:`InternalError` if the slab bookkeeping is broken (a test aid for
+        stacks that inject faults, as the chaos test does; cheap, no I/O): every receive
+        slab is in exactly one of pool, spares and fenced, with its unpack table; no slab
+        is lent twice; no waiter is left behind a free slab; the transport has registered
+        exactly the send slabs and the receive slabs there are. With ``idle`` (nothing in
+        flight), also: no slab is lent and no load waits for one."""
+        recv = self._recv
+        if recv is None:
+            return
+        recv.check()
+        self._send.check()
+        registered = self.transport.memory_registrations
+        want = len(self._send_slabs) + len(recv.slabs) + recv.registering
+        if registered != want and not (recv.registering and
+                                       len(self._send_slabs) + len(recv.slabs) <= registered <= want):
+            raise InternalError(f"the transport holds {registered} memory registrations, the "
+                                f"endpoint {len(self._send_slabs)} send and {len(recv.slabs)} "
+                                f"receive slabs ({recv.registering} being registered)")
+        if idle and (recv.pool.held or recv.pool.waiting or self._send.held or self._send.waiting):
+            raise InternalError(f"idle, yet slabs are lent or awaited: {self.recv_slab_stats}")
+
     def snapshot_metrics(self) -> dict[str, Any]:
         """Metrics as a plain dict (registrations include the transport's memory ones), with
         the slab pools' state under ``"slabs"`` (:attr:`recv_slab_stats`)."""

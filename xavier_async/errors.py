@@ -59,5 +59,11 @@ class StaleRequestError(RemoteError):
     receiver had already given up on it)."""
 
 
+class InternalError(XavierError, RuntimeError):
+    """A broken invariant inside the library (a bug, never the caller's input). The loads
+    it concerns fail with it and it is logged with context; the endpoint keeps serving
+    everything else and never raises it out of ``async with``."""
+
+
 class HandshakeError(XavierError):
     """Connecting to a peer failed: bad address, version or layout mismatch."""

@@ -40,7 +40,7 @@ from .planning import Batch, PlannedBatch, Segment, segments_from_wire
 from .policy import ChannelPolicy
 from .sizes import SlabSizes, View
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 MAGIC: Final = b"XA"
 LOAD_TAG: Final = b"L"
 LANDED_TAG: Final = b"D"
@@ -136,22 +136,25 @@ class Probe:
 
 @dataclass(frozen=True, slots=True)
 class Landed:
-    """Source -> receiver, delivered after the WRITE's bytes: ``wire_bytes`` moved."""
+    """Source -> receiver, delivered after the WRITE's bytes: ``wire_bytes`` moved into
+    the receiver's receive slab number ``slab`` (the one the source's mapping wrote; the
+    receiver unpacks only if it is the one it asked for)."""
 
     req_id: int
     wire_bytes: int
     #: digest of the payload as the source packed it (:func:`xavier_async.slabs.payload_digest`), if asked
     digest: str | None = None
+    slab: int = 0
 
     def to_wire(self) -> bytes:
-        return _encode(LANDED_TAG, [self.req_id, self.wire_bytes, self.digest])
+        return _encode(LANDED_TAG, [self.req_id, self.wire_bytes, self.digest, self.slab])
 
     @classmethod
     def from_body(cls, body: Any) -> Landed:
-        if not isinstance(body, list) or len(body) != 3 or type(body[1]) is not int or body[1] < 0 \
+        if not isinstance(body, list) or len(body) != 4 or type(body[1]) is not int or body[1] < 0 \
                 or not (body[2] is None or isinstance(body[2], str)):
             raise ProtocolError("malformed LANDED body")
-        return cls(_req_id(body[0]), body[1], body[2])
+        return cls(_req_id(body[0]), body[1], body[2], _count(body[3], "slab"))
 
 
 #: error kind on the wire <-> the exception the receiver raises (one table, both ways)
@@ -321,21 +324,25 @@ def check_hello(local: Hello, peer: Any, layout: CacheLayout) -> int:
 class PendingRequest:
     """One request awaiting its reply. ``on_done`` is called once, when it resolves."""
 
-    __slots__ = ("req_id", "peer", "wire_bytes", "digest", "error", "settled", "done", "_on_done")
+    __slots__ = ("req_id", "peer", "wire_bytes", "digest", "slab", "error", "settled", "done",
+                 "_on_done")
 
     def __init__(self, req_id: int, peer: int, on_done: Callable[[], None]) -> None:
         self.req_id, self.peer = req_id, peer
         self.wire_bytes = 0
         self.digest: str | None = None
+        #: the receive slab the source reports writing
+        self.slab = -1
         self.error: XavierError | None = None
         #: no write for this request can land any more (false while it may still land)
         self.settled = False
         self.done = False
         self._on_done = on_done
 
-    def resolve(self, wire_bytes: int, digest: str | None = None) -> None:
+    def resolve(self, wire_bytes: int, digest: str | None = None, slab: int = -1) -> None:
         if not self.done:
-            self.wire_bytes, self.digest, self.settled, self.done = wire_bytes, digest, True, True
+            self.wire_bytes, self.digest, self.slab = wire_bytes, digest, slab
+            self.settled = self.done = True
             self._on_done()
 
     def fail(self, exc: XavierError, settled: bool = False) -> None:
@@ -368,7 +375,7 @@ class RequestTable:
         if req is None or req.peer != peer:
             return None
         if isinstance(msg, Landed):
-            req.resolve(msg.wire_bytes, msg.digest)
+            req.resolve(msg.wire_bytes, msg.digest, msg.slab)
         else:
             req.fail(msg.exception(peer), settled=msg.settled)
         return req

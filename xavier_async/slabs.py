@@ -15,13 +15,14 @@ provably done.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import anyio
 import torch
 
-from .errors import InvalidRequestError
+from .errors import InternalError, InvalidRequestError
 from .sizes import DEFAULT_FULL_BYTES, DEFAULT_SMALL_BYTES, FULL, SMALL, KiB, MiB, SlabSizes, View
 
 __all__ = ["DEFAULT_FULL_BYTES", "DEFAULT_SMALL_BYTES", "KiB", "MiB", "Slab", "SlabView",
@@ -124,11 +125,13 @@ class Ticket:
     :meth:`take` returns the slab's index; :meth:`cancel` gives back what it got, or
     leaves the queue, so a cancelled borrower takes nothing."""
 
-    __slots__ = ("pool", "large", "want", "index", "_event", "_done")
+    __slots__ = ("pool", "large", "want", "index", "error", "_event", "_done")
 
     def __init__(self, pool: SlabPool, large: bool, want: int | None) -> None:
         self.pool, self.large, self.want = pool, large, want
         self.index: int | None = None
+        #: why a queued ticket will never be granted (:meth:`SlabPool.fail_waiters`)
+        self.error: Exception | None = None
         self._event: anyio.Event | None = None
         self._done = False
 
@@ -141,12 +144,18 @@ class Ticket:
         if self._event is not None:
             self._event.set()
 
+    def _fail(self, exc: Exception) -> None:
+        self.error = exc
+        if self._event is not None:
+            self._event.set()
+
     async def take(self) -> int:
         """The granted slab's index, once granted (no timeout: back-pressure is a wait);
         from then on the borrower owns it and :meth:`cancel` no longer gives it back. If
-        the wait is cancelled (or fails), the ticket is cancelled: it takes nothing."""
+        the wait is cancelled (or fails), the ticket is cancelled: it takes nothing. A
+        ticket the pool gave up on (:meth:`SlabPool.fail_waiters`) raises its error."""
         try:
-            if self.index is None:
+            if self.index is None and self.error is None:
                 self._event = anyio.Event()
                 await self._event.wait()
             else:
@@ -154,7 +163,9 @@ class Ticket:
         except BaseException:
             self.cancel()
             raise
-        assert self.index is not None
+        if self.index is None:
+            self._done = True
+            raise self.error or InternalError("a slab ticket woke without a slab or an error")
         self._done = True
         return self.index
 
@@ -188,7 +199,9 @@ class SlabPool:
     No head-of-line blocking: *large* borrowers (a batch bigger than the small view) hold
     at most :func:`large_cap` slabs at once, so with two or more slabs one is always left
     for small batches, which then never wait behind a whole large copy. A large waiter
-    held back by the cap does not hold back the small waiters behind it.
+    held back by the cap does not hold back the small waiters behind it. The cap follows
+    the slabs actually in the pool (:attr:`cap`): when fences take slabs out, it is
+    evaluated again and the waiters are woken (:meth:`remove`).
     """
 
     def __init__(self, indices: Iterable[int], target: int | None = None) -> None:
@@ -198,8 +211,13 @@ class SlabPool:
         self._large = 0
         #: the pool's nominal size (the cap on large borrowers derives from it)
         self.target = target if target is not None else len(self._free)
-        self.cap = large_cap(self.target)
         self._waiters: deque[Ticket] = deque()
+
+    @property
+    def cap(self) -> int:
+        """How many slabs large borrowers may hold now: all but one of the slabs in the
+        pool (its nominal size while none is fenced, fewer after fences)."""
+        return large_cap(min(self.target, self.usable))
 
     @property
     def usable(self) -> int:
@@ -209,6 +227,11 @@ class SlabPool:
     @property
     def free(self) -> int:
         return len(self._free)
+
+    @property
+    def indices(self) -> set[int]:
+        """The slabs in the pool, free or lent."""
+        return {*self._free, *self._held}
 
     @property
     def held(self) -> int:
@@ -283,14 +306,40 @@ class SlabPool:
         self._grant_waiters()
 
     def remove(self, index: int) -> None:
-        """A lent slab leaves the pool (fenced) instead of coming back."""
+        """A lent slab leaves the pool (fenced) instead of coming back. Fewer large
+        borrowers now hold slabs and the cap follows the smaller pool: a waiter that may
+        take a free slab now gets it (a large one held back by the cap among them)."""
+        if index not in self._held:
+            raise InternalError(f"slab {index} left the pool but was not lent")
         self._large -= self._held.pop(index)
+        self._grant_waiters()
 
     def add(self, index: int) -> None:
         """A slab joins the pool (new, or released from a fence)."""
-        assert index not in self._held and index not in self._free
+        if index in self._held or index in self._free:
+            raise InternalError(f"slab {index} joined a pool it is already in")
         self._free.append(index)
         self._grant_waiters()
+
+    def fail_waiters(self, exc: Exception) -> int:
+        """Every queued borrower's :meth:`Ticket.take` raises ``exc`` (no slab can come
+        back for them); returns how many there were."""
+        waiters, self._waiters = self._waiters, deque()
+        for ticket in waiters:
+            ticket._fail(exc)
+        return len(waiters)
+
+    def check(self) -> None:
+        """Raise :class:`InternalError` if the bookkeeping is inconsistent: a slab both
+        free and lent, counted twice, or a large count that does not match."""
+        free = set(self._free)
+        if len(free) != len(self._free) or free & self._held.keys():
+            raise InternalError(f"slab pool: free {self._free} and lent {sorted(self._held)} overlap")
+        if self._large != sum(self._held.values()):
+            raise InternalError(f"slab pool: {self._large} large borrowers counted, "
+                                f"{sum(self._held.values())} hold slabs")
+        if self._free and any(self._pick(t.large, t.want) is not None for t in self._waiters):
+            raise InternalError("slab pool: a waiter could take a free slab but was not woken")
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,17 +353,33 @@ class Fenced:
     req_id: int
 
 
-class RecvSlabs:
+#: what the receiver keeps beside each receive slab (its unpack table: SlabRows)
+R = TypeVar("R")
+
+
+class RecvSlabs(Generic[R]):
     """The receiver's receive slabs: a :class:`SlabPool` of ``K`` usable ones (each load
     borrows one), *spares* (registered, released from a fence while the pool was full)
     and *fenced* ones, which leave the pool (pure bookkeeping; the endpoint registers new
     slabs with its transport).
 
-    Invariant: a fenced slab is never in the pool and never a spare, so no load reads a
-    slab that a stale writer may still target."""
+    Each slab is named by an index that is never reused: :meth:`new_index` hands the next
+    one out synchronously, before the registration that follows awaits anything, so two
+    replacements registered at once can never share one. Beside each slab the receiver
+    keeps its unpack table (``rows``, made by ``rows_of`` when the slab joins): a slab is
+    in :attr:`slabs` exactly when its table is in :attr:`rows`, and the endpoint adds it
+    only once the transport has registered it.
 
-    def __init__(self, slabs: Sequence[Slab]) -> None:
-        self.slabs: dict[int, Slab] = {s.index: s for s in slabs}
+    Invariant: a fenced slab is never in the pool and never a spare, so no load reads a
+    slab that a stale writer may still target (:meth:`check`)."""
+
+    def __init__(self, slabs: Sequence[Slab], rows_of: Callable[[Slab], R]) -> None:
+        self._rows_of = rows_of
+        self.slabs: dict[int, Slab] = {}
+        self.rows: dict[int, R] = {}
+        for slab in slabs:
+            self._keep(slab)
+        self._next_index = max(self.slabs, default=-1) + 1
         self.pool = SlabPool(self.slabs)
         self.spares: list[int] = []
         self.fenced: dict[int, Fenced] = {}
@@ -322,6 +387,12 @@ class RecvSlabs:
         self.registering = 0
         #: how many slabs were fenced, released by a late reply, released by a reconnect
         self.fences = self.released_late = self.released_reconnect = 0
+
+    def _keep(self, slab: Slab) -> None:
+        if slab.index in self.slabs:
+            raise InternalError(f"two receive slabs are numbered {slab.index}")
+        self.slabs[slab.index] = slab
+        self.rows[slab.index] = self._rows_of(slab)
 
     @property
     def target(self) -> int:
@@ -333,9 +404,12 @@ class RecvSlabs:
         index = self.pool.peek()
         return None if index is None else self.slabs[index]
 
-    @property
-    def next_index(self) -> int:
-        return max(self.slabs) + 1
+    def new_index(self) -> int:
+        """The index of the next receive slab, taken now (never handed out twice, even
+        if the slab it was taken for is never registered)."""
+        index = self._next_index
+        self._next_index += 1
+        return index
 
     def short(self) -> bool:
         """Fences left fewer than ``K`` usable slabs (counting those being registered)
@@ -356,9 +430,11 @@ class RecvSlabs:
             self.pool.add(self.spares.pop())
 
     def add(self, slab: Slab) -> None:
-        """A newly registered slab joins the pool."""
-        assert slab.index not in self.slabs
-        self.slabs[slab.index] = slab
+        """A newly registered slab (numbered by :meth:`new_index`) joins the pool, with
+        its unpack table."""
+        if slab.index >= self._next_index:
+            raise InternalError(f"receive slab {slab.index} was not numbered by new_index()")
+        self._keep(slab)
         self._put(slab.index)
 
     def _put(self, index: int) -> None:
@@ -390,6 +466,28 @@ class RecvSlabs:
                 n += 1
         self.released_reconnect += n
         return n
+
+    def check(self) -> None:
+        """Raise :class:`InternalError` unless the bookkeeping holds: every slab is in
+        exactly one of pool, spares and fenced, has its unpack table, and the pool's own
+        accounting is consistent (:meth:`SlabPool.check`)."""
+        self.pool.check()
+        in_pool = self.pool.indices
+        places = [in_pool, set(self.spares), set(self.fenced)]
+        seen: set[int] = set()
+        for place in places:
+            if place & seen:
+                raise InternalError(f"receive slab(s) {sorted(place & seen)} are in two places "
+                                    f"(pool {sorted(in_pool)}, spares {self.spares}, "
+                                    f"fenced {sorted(self.fenced)})")
+            seen |= place
+        if len(self.spares) != len(set(self.spares)):
+            raise InternalError(f"a spare receive slab is listed twice: {self.spares}")
+        if seen != set(self.slabs) or set(self.rows) != set(self.slabs):
+            raise InternalError(f"receive slabs {sorted(self.slabs)}, unpack tables "
+                                f"{sorted(self.rows)}, placed {sorted(seen)}: they must agree")
+        if self.pool.usable > self.target:
+            raise InternalError(f"{self.pool.usable} receive slabs in a pool of {self.target}")
 
     def stats(self) -> dict[str, int]:
         return {"registered": len(self.slabs), "pool": self.target, "usable": self.pool.usable,

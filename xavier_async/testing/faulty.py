@@ -19,11 +19,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..errors import PeerLostError, TransferError
-from ..transports.base import Transport
+from ..transports.base import TaskSpawner, Transport
 
 if TYPE_CHECKING:
-    from anyio.abc import TaskGroup
-
     from ..slabs import Slab, SlabView
     from ..transports.base import TransportHost
 
@@ -161,7 +159,7 @@ class FaultyTransport(Transport):
             raise PeerLostError(f"rank {peer} is unreachable (injected)")
 
     # -- Transport ----------------------------------------------------------------------
-    async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
+    async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskSpawner) -> None:
         from ..errors import InvalidRequestError
         from ..transports.local import LocalTransport
         if self.plan.late_writes_land and not isinstance(self.inner, LocalTransport):

@@ -14,14 +14,22 @@ transport only does what it is told and reports failures as :class:`TransferErro
 from __future__ import annotations
 
 import abc
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
 if TYPE_CHECKING:
-    from anyio.abc import TaskGroup
-
     from ..slabs import Slab, SlabView
+
+
+class TaskSpawner(Protocol):
+    """Where a transport starts its background tasks: the endpoint's task group, whose
+    tasks are guarded (one that raises is logged and never takes the endpoint down; see
+    :mod:`xavier_async.tasks`). An anyio task group has the same method."""
+
+    def start_soon(self, func: Callable[..., Awaitable[Any]], *args: Any,
+                   name: object = None) -> None: ...
 
 
 class TransportHost(Protocol):
@@ -75,7 +83,7 @@ class Transport(abc.ABC):
         self._owner = owner
 
     @abc.abstractmethod
-    async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
+    async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskSpawner) -> None:
         """Register both slabs (once, for the endpoint's lifetime) and start background work in ``tg``."""
 
     @property
@@ -106,7 +114,9 @@ class Transport(abc.ABC):
     async def add_recv_slab(self, slab: Slab) -> None:
         """Register one more receive slab (the pool's slabs 1.. right after :meth:`start`,
         later the replacement of a fenced one). Peers learn of it in the handshake or
-        through :meth:`share_recv_slab`. Counts one memory registration."""
+        through :meth:`share_recv_slab`. Counts one memory registration. A slab whose
+        index is already registered is refused (:class:`InvalidRequestError`) before
+        anything is registered: an index names one slab for the endpoint's lifetime."""
         raise NotImplementedError(f"the {self.name} transport cannot add receive slabs")
 
     async def share_recv_slab(self, peer: int, slab: Slab) -> None:

@@ -17,11 +17,9 @@ import torch
 from .._checks import check_number
 from ..errors import HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError
 from ..slabs import SlabView
-from .base import Transport
+from .base import TaskSpawner, Transport
 
 if TYPE_CHECKING:
-    from anyio.abc import TaskGroup
-
     from ..slabs import Slab
     from .base import TransportHost
 
@@ -83,7 +81,7 @@ class LocalTransport(Transport):
         """The first receive slab."""
         return self.recv_slabs.get(0)
 
-    async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
+    async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskSpawner) -> None:
         self.host, self.send_slab = host, send
         self.send_slabs = {send.index: send}
         self.recv_slabs = {recv.index: recv}
@@ -96,6 +94,8 @@ class LocalTransport(Transport):
         self.memory_registrations += 1
 
     async def add_recv_slab(self, slab: Slab) -> None:
+        if slab.index in self.recv_slabs:
+            raise InvalidRequestError(f"receive slab {slab.index} is already registered")
         await anyio.lowlevel.checkpoint()
         self.recv_slabs[slab.index] = slab
         self.memory_registrations += 1

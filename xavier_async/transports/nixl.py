@@ -33,12 +33,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
-from anyio.abc import SocketStream, TaskGroup
+from anyio.abc import SocketStream
 
 from .._checks import check_int, check_number
 from ..errors import (HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError,
                       XavierError)
-from .base import Transport
+from .base import TaskSpawner, Transport
 from .handshake import FrameStream, PeerYielded, exchange
 
 if TYPE_CHECKING:
@@ -327,7 +327,7 @@ class NixlTransport(Transport):
         self._agent_factory: AgentFactory = agent_factory or nixl_agent_factory
         self.agent_name = ""
         self._host: TransportHost | None = None
-        self._tg: TaskGroup | None = None
+        self._tg: TaskSpawner | None = None
         self._send_slab: Slab | None = None
         #: our send slabs by index (the first is _send_slab)
         self._send_slabs: dict[int, Slab] = {}
@@ -338,6 +338,8 @@ class NixlTransport(Transport):
         #: receive slabs by index and their registrations
         self._recv_slabs: dict[int, Slab] = {}
         self._recv_regs: dict[int, Any] = {}
+        #: receive slab indices whose registration is under way
+        self._registering: set[int] = set()
         #: (peer agent, slab index) -> set when the peer acknowledged our new slab
         self._acks: dict[tuple[str, int], anyio.Event] = {}
         #: agents of peers we dropped, for late notifications (bounded)
@@ -361,7 +363,7 @@ class NixlTransport(Transport):
         self._release_later: dict[int, Any] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
-    async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskGroup) -> None:
+    async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskSpawner) -> None:
         self._host, self._tg = host, tg
         self._send_slab, self._recv_slab = send, recv
         self._send_slabs = {send.index: send}
@@ -408,8 +410,14 @@ class NixlTransport(Transport):
         self._send_slabs[slab.index] = slab
 
     async def add_recv_slab(self, slab: Slab) -> None:
-        self._recv_regs[slab.index] = await self._register(slab)
-        self._recv_slabs[slab.index] = slab
+        if slab.index in self._recv_slabs or slab.index in self._registering:
+            raise InvalidRequestError(f"receive slab {slab.index} is already registered")
+        self._registering.add(slab.index)  # claimed before the registration awaits
+        try:
+            self._recv_regs[slab.index] = await self._register(slab)
+            self._recv_slabs[slab.index] = slab
+        finally:
+            self._registering.discard(slab.index)
 
     async def share_recv_slab(self, peer: int, slab: Slab) -> None:
         """Send the slab's registration (NIXL partial agent metadata) and address to the
