@@ -26,6 +26,7 @@ import base64
 import json
 import logging
 import os
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -35,9 +36,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 from anyio.abc import SocketStream, TaskGroup
 
-from .._checks import check_int, check_number
-from ..errors import (HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError,
-                      XavierError)
+from .._checks import check_bool, check_int, check_number, env_flag
+from ..errors import (HandshakeError, InvalidRequestError, PeerLostError, TransferError,
+                      UnknownPeerError, XavierError)
 from .base import Transport
 from .handshake import FrameStream, PeerYielded, exchange
 
@@ -279,6 +280,27 @@ class NixlTransport(Transport):
                  first_frame_timeout: float = 2.0, max_unauthenticated: int = 64,
                  rank_grace: float = 30.0, stall_check: float = 0.25) -> None:
         super().__init__()
+        # every setting is checked before anything else happens (InvalidRequestError)
+        port = check_int("port", port, minimum=0, maximum=65535)
+        if isinstance(backends, str) or not isinstance(backends, (tuple, list)) or not backends \
+                or not all(isinstance(b, str) and b for b in backends):
+            raise InvalidRequestError(f"backends must be a non-empty tuple of NIXL backend names "
+                                      f"such as ('UCX',), got {backends!r}")
+        # timeouts must be > 0 (0 would fail every handshake or copy); the others may be 0
+        first_frame_timeout = check_number("first_frame_timeout", first_frame_timeout,
+                                           strictly_positive=True)
+        handshake_timeout = check_number("handshake_timeout", handshake_timeout, strictly_positive=True)
+        write_timeout = check_number("write_timeout", write_timeout, strictly_positive=True)
+        idle_poll = check_number("idle_poll", idle_poll)
+        hot_window = check_number("hot_window", hot_window)
+        spin = check_number("spin", spin)
+        rank_grace = check_number("rank_grace", rank_grace)
+        stall_check = check_number("stall_check", stall_check)
+        trim_handles = check_int("trim_handles", trim_handles, minimum=1)
+        max_unauthenticated = check_int("max_unauthenticated", max_unauthenticated, minimum=1)
+        if insecure is None:
+            insecure = env_flag(INSECURE_ENV)
+        check_bool("insecure", insecure)
         if secret is None:
             secret = os.environ.get(SECRET_ENV) or None
         if isinstance(secret, str):
@@ -287,8 +309,6 @@ class NixlTransport(Transport):
             raise InvalidRequestError(f"secret must be str or bytes of at least 16 bytes "
                                       f"(got {type(secret).__name__} of {len(secret) if isinstance(secret, bytes) else '?'}); "
                                       "for example: python -c 'import secrets; print(secrets.token_hex(32))'")
-        if insecure is None:
-            insecure = os.environ.get(INSECURE_ENV, "") not in ("", "0")
         if secret is None and not insecure and not _is_loopback(host):
             raise InvalidRequestError(
                 f"refusing to listen on {host!r} without a secret: anyone who can reach that port "
@@ -296,10 +316,7 @@ class NixlTransport(Transport):
                 f"Pass secret= (or set {SECRET_ENV}) on every endpoint, or insecure=True (or "
                 f"{INSECURE_ENV}=1) if the network is trusted")
         self._secret: bytes | None = secret
-        self.insecure = bool(insecure)
-        check_number("first_frame_timeout", first_frame_timeout)
-        check_number("rank_grace", rank_grace)
-        check_int("max_unauthenticated", max_unauthenticated, minimum=1)
+        self.insecure = insecure
         self.first_frame_timeout, self.rank_grace = first_frame_timeout, rank_grace
         self.max_unauthenticated = max_unauthenticated
         self._unauthenticated = 0
@@ -307,17 +324,12 @@ class NixlTransport(Transport):
         self.refused_connections = 0
         #: ranks lost without a clean close: rank -> (agent, reserved until)
         self._gone: dict[int, tuple[str, float]] = {}
-        port = check_int("port", port, minimum=0, maximum=65535)
-        for n, v in (("idle_poll", idle_poll), ("hot_window", hot_window),
-                     ("write_timeout", write_timeout), ("handshake_timeout", handshake_timeout),
-                     ("spin", spin), ("stall_check", stall_check)):
-            check_number(n, v)
         self._listen_host, self._port = host, port
         self._advertise = advertise
         self._backends = list(backends)
         self.idle_poll, self.hot_window = idle_poll, hot_window
         self.write_timeout, self.handshake_timeout = write_timeout, handshake_timeout
-        self.trim_handles = max(1, int(trim_handles))
+        self.trim_handles = trim_handles
         self.spin = spin
         #: a poll loop that finds itself this many seconds after its previous pass (the
         #: process was stalled: SIGSTOP, swap, a long GC) re-checks every peer's control
