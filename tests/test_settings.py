@@ -1,9 +1,11 @@
 """Bad configuration is refused at construction, before anything starts (issue 21,
-finding 4): every float setting refuses NaN and infinities, and boolean environment flags
-are parsed strictly."""
+finding 4): every float setting refuses NaN and infinities, boolean environment flags are
+parsed strictly, a bad host is a typed error, and a port in use is a :class:`ListenError`
+that names the host and port with the operating system's error chained."""
 
 from __future__ import annotations
 
+import errno
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -12,7 +14,8 @@ import anyio
 import pytest
 import torch
 
-from xavier_async import Endpoint, EndpointConfig, InvalidRequestError, LocalTransport, RetryPolicy
+from xavier_async import (Endpoint, EndpointConfig, InvalidRequestError, ListenError, LocalTransport,
+                          RetryPolicy, XavierError)
 from xavier_async._checks import check_number, env_flag
 from xavier_async.testing import FaultPlan, FaultyTransport
 
@@ -143,3 +146,48 @@ def test_env_flag(monkeypatch):
     monkeypatch.setenv("XA_TEST_FLAG", "maybe")
     with pytest.raises(InvalidRequestError, match="XA_TEST_FLAG='maybe'"):
         env_flag("XA_TEST_FLAG")
+
+
+# -- hosts and ports ------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"host": None}, "host"), ({"host": ""}, "host"), ({"host": 127}, "host"),
+    ({"host": b"127.0.0.1"}, "host"), ({"host": "[]"}, "host"), ({"host": "local host"}, "host"),
+    ({"host": "127.0.0.1\x00"}, "host"),
+    ({"advertise": ""}, "advertise"), ({"advertise": 5}, "advertise"),
+    ({"advertise": "a\nb"}, "advertise"),
+])
+def test_a_bad_host_is_a_typed_error(kwargs, name):
+    with pytest.raises(InvalidRequestError, match=f"^{name} must be"):
+        NixlTransport(**kwargs)
+
+
+@pytest.mark.asyncio  # real NIXL: asyncio (pytest-asyncio)
+async def test_a_port_in_use_is_a_listen_error_naming_host_and_port():
+    async with Endpoint(0, _caches(), NixlTransport(), SMALL_CFG) as a:
+        port = int(a.address.rpartition(":")[2])
+        t = NixlTransport(port=port)
+        bad = Endpoint(1, _caches(), t, SMALL_CFG)
+        with pytest.raises(ListenError) as info:
+            async with bad:
+                pytest.fail("a failed start must not run the body")
+        err = info.value
+        assert isinstance(err, XavierError) and isinstance(err, OSError)
+        assert f"127.0.0.1:{port}" in str(err) and "in use" in str(err)
+        assert isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.EADDRINUSE
+        assert err.errno == errno.EADDRINUSE
+        assert t._reg == [] and t._peers == {} and bad.closed  # nothing stays registered
+        # the endpoint that holds the port is unaffected, and a free port works
+        async with Endpoint(1, _caches(), NixlTransport(), SMALL_CFG) as b:
+            assert await b.connect(a.address) == 0
+
+
+@pytest.mark.asyncio  # real NIXL: asyncio (pytest-asyncio)
+async def test_a_host_that_is_not_ours_is_a_listen_error():
+    t = NixlTransport(host="192.0.2.1", insecure=True)     # TEST-NET: not an address of ours
+    with pytest.raises(ListenError, match=r"192\.0\.2\.1:0") as info:
+        async with Endpoint(0, _caches(), t, SMALL_CFG):
+            pass
+    assert isinstance(info.value.__cause__, OSError)
+    assert t._reg == []
+

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .channel import PeerChannel
 from .endpoint import Endpoint, EndpointConfig, LoadResult
 from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InvalidRequestError,
-                     LayoutMismatchError, PeerLostError, RegistrationError, RemoteError,
+                     LayoutMismatchError, ListenError, PeerLostError, RegistrationError, RemoteError,
                      StaleRequestError, TransferError, UnknownPeerError, XavierError)
 from .layout import ALL_LAYERS
 from .metrics import EndpointMetrics, PeerMetrics
@@ -29,7 +29,8 @@ __all__ = [
     "Transport", "LocalFabric", "LocalTransport", "NixlTransport", "SlabSizes",
     "XavierError", "InvalidRequestError", "LayoutMismatchError", "UnknownPeerError",
     "EndpointClosedError", "RegistrationError", "TransferError", "PeerLostError",
-    "RemoteError", "HandshakeError", "IntegrityError", "StaleRequestError", "__version__",
+    "RemoteError", "HandshakeError", "ListenError", "IntegrityError", "StaleRequestError",
+    "__version__",
 ]
 
 

@@ -61,3 +61,15 @@ class StaleRequestError(RemoteError):
 
 class HandshakeError(XavierError):
     """Connecting to a peer failed: bad address, version or layout mismatch."""
+
+
+class ListenError(XavierError, OSError):
+    """The endpoint could not listen on its ``host:port`` (the port is in use, or the host
+    is not an address of this machine); raised by ``async with Endpoint`` before anything
+    started, with the operating system's error chained as ``__cause__``. Pick another port
+    (0 picks a free one) or another host. It is an ``OSError`` too, with the cause's
+    ``errno``, so generic handlers keep working."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno

@@ -23,6 +23,7 @@ per process per GPU.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ import anyio
 from anyio.abc import SocketStream, TaskGroup
 
 from .._checks import check_bool, check_int, check_number, env_flag
-from ..errors import (HandshakeError, InvalidRequestError, PeerLostError, TransferError,
+from ..errors import (HandshakeError, InvalidRequestError, ListenError, PeerLostError, TransferError,
                       UnknownPeerError, XavierError)
 from .base import Transport
 from .handshake import FrameStream, PeerYielded, exchange
@@ -71,6 +72,18 @@ def _is_loopback(host: str) -> bool:
     except OSError:
         return False
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+def _check_host(name: str, host: object) -> str:
+    """A host name or IP address to listen on or advertise: a non-empty string without
+    spaces or control characters (an IPv6 address may be bracketed)."""
+    if not isinstance(host, str) or not host.strip("[]"):
+        raise InvalidRequestError(f"{name} must be a non-empty host name or IP address string "
+                                  f"such as '127.0.0.1', got {host!r}")
+    if any(c.isspace() or not c.isprintable() for c in host):
+        raise InvalidRequestError(f"{name} must be a host name or IP address, got {host!r} "
+                                  "(it contains spaces or control characters)")
+    return host
+
 
 def _keepalive(stream: SocketStream, idle: int = 5, interval: int = 2, count: int = 3) -> None:
     """TCP keepalive on a peer's stream: a host that vanishes without closing its socket
@@ -281,6 +294,9 @@ class NixlTransport(Transport):
                  rank_grace: float = 30.0, stall_check: float = 0.25) -> None:
         super().__init__()
         # every setting is checked before anything else happens (InvalidRequestError)
+        host = _check_host("host", host)
+        if advertise is not None:
+            advertise = _check_host("advertise", advertise)
         port = check_int("port", port, minimum=0, maximum=65535)
         if isinstance(backends, str) or not isinstance(backends, (tuple, list)) or not backends \
                 or not all(isinstance(b, str) and b for b in backends):
@@ -391,13 +407,33 @@ class NixlTransport(Transport):
             self.memory_registrations += 1
         self._recv_slabs[recv.index] = recv
         self._recv_regs[recv.index] = self._reg[-1]
-        self._listener = await anyio.create_tcp_listener(local_host=self._listen_host,
-                                                         local_port=self._port)
+        self._listener = await self._listen()
         sock = self._listener.extra(anyio.abc.SocketAttribute.local_address)
         self._bound = (sock[0], sock[1])
         for listener in getattr(self._listener, "listeners", [self._listener]):
             tg.start_soon(self._accept_loop, listener)
         tg.start_soon(self._poll_loop)
+
+    async def _listen(self) -> Any:
+        """Bind and listen on ``host:port``; a failure is a :class:`ListenError` naming both,
+        with the operating system's error chained."""
+        host, port = self._listen_host, self._port
+        where = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+        try:
+            return await anyio.create_tcp_listener(local_host=host, local_port=port)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                hint = "the port is in use: pass another port (0 picks a free one) or stop what listens there"
+            elif exc.errno == errno.EADDRNOTAVAIL:
+                hint = "that host is not an address of this machine: pass one of its own addresses"
+            elif isinstance(exc, socket.gaierror):
+                hint = "that host name does not resolve: pass an address of this machine"
+            elif exc.errno == errno.EACCES:
+                hint = "this process may not bind that port (ports below 1024 need privileges)"
+            else:
+                hint = "pass another host or port"
+            raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}; {hint}",
+                              exc.errno) from exc
 
     def _reg_descs(self, slab: Slab) -> Any:
         return self._agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self._dev, "")],
