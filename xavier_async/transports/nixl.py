@@ -27,6 +27,7 @@ import errno
 import json
 import logging
 import os
+import random
 import socket
 import time
 import uuid
@@ -41,7 +42,7 @@ from .._checks import check_bool, check_int, check_number, env_flag
 from ..errors import (HandshakeError, InvalidRequestError, ListenError, PeerLostError, TransferError,
                       UnknownPeerError, XavierError)
 from .base import Transport
-from .handshake import FrameStream, PeerYielded, exchange
+from .handshake import BUSY, FrameStream, PeerYielded, busy, exchange, refusal
 
 if TYPE_CHECKING:
     from ..slabs import Slab, SlabView
@@ -99,6 +100,15 @@ def _keepalive(stream: SocketStream, idle: int = 5, interval: int = 2, count: in
         log.debug("could not enable TCP keepalive", exc_info=True)
 
 
+def _remote_host(stream: SocketStream) -> str:
+    """The peer's IP address (what the per-host pre-authentication cap counts by)."""
+    try:
+        addr = stream.extra(anyio.abc.SocketAttribute.remote_address)
+        return str(addr[0]) if isinstance(addr, tuple) else str(addr)
+    except (anyio.TypedAttributeLookupError, ValueError, TypeError, IndexError):
+        return "?"
+
+
 def _remote(stream: SocketStream) -> str:
     try:
         addr = stream.extra(anyio.abc.SocketAttribute.remote_address)
@@ -112,7 +122,7 @@ def parse_address(address: str) -> tuple[str, int]:
     addr = address.removeprefix("nixl://")
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise HandshakeError(f"bad peer address {address!r}: expected 'host:port'")
+        raise HandshakeError(f"bad peer address {address!r}: expected 'host:port'", reason="address")
     return host.strip("[]"), int(port)
 
 
@@ -213,6 +223,15 @@ class _Join:
         self.done = anyio.Event()
         #: our receive slabs named in the hello we sent (the peer's agent learns them)
         self.sent_slabs: set[int] = set()
+        #: the acceptor's pre-authentication slot: the remote host it is counted under,
+        #: until the peer's hello passed (or the handshake ended)
+        self.preauth: str | None = None
+
+    def release_preauth(self) -> None:
+        """Give back the pre-authentication slot (once)."""
+        who, self.preauth = self.preauth, None
+        if who is not None:
+            self.t._release_preauth(who)
 
     def _yield(self, message: str, kind: str) -> PeerYielded:
         assert self.t._host is not None
@@ -253,6 +272,7 @@ class _Join:
                                   "superseded")
             await other.done.wait()  # the peer decides: see how that handshake ends
         t._claims[rank] = self
+        self.release_preauth()  # authenticated and introduced: no longer a stranger
 
     def commit(self) -> None:
         if self.superseded or self.rank is None or self.t._claims.get(self.rank) is not self:
@@ -280,6 +300,25 @@ class NixlTransport(Transport):
     ``trim_handles``: how many exact-length handles to keep per view for trimmed copies.
     ``spin``: seconds :meth:`post` busy-polls a copy before handing it to the event loop.
     ``agent_factory``: builds the NIXL agent (tests pass a fake one).
+
+    Peer authentication (docs/threat-model.md): ``secret`` (or ``XAVIER_ASYNC_SECRET``),
+    required to listen beyond loopback unless ``insecure`` (or ``XAVIER_ASYNC_INSECURE``,
+    parsed strictly: ``1/true/yes/on`` or ``0/false/no/off``/empty).
+
+    Limits before a peer is authenticated, so that silent or slow strangers cannot lock
+    real peers out: a connection must send its first handshake frame within
+    ``first_frame_timeout`` seconds and each later one, up to its hello, within
+    ``preauth_step_timeout`` (its slot is freed at once when a step is late). At most
+    ``max_unauthenticated`` such handshakes are pending at once, and at most
+    ``max_unauthenticated_per_host`` from one remote address; a connection beyond either
+    cap is told "busy" and closed at once, and a connecting xavier_async endpoint retries
+    it until its own timeout. ``handshake_timeout`` bounds a whole handshake and is the
+    default timeout of :meth:`connect`. ``rank_grace``: how long a rank lost without a
+    clean close stays reserved for its agent. ``stall_check``: after a stall this long
+    (SIGSTOP, swap), the poll loop re-checks every peer's connection before serving.
+
+    Every setting is validated here (:class:`InvalidRequestError` naming it): numbers are
+    finite, timeouts > 0, hosts non-empty strings.
     """
 
     name = "nixl"
@@ -291,7 +330,8 @@ class NixlTransport(Transport):
                  spin: float = 0.0001, agent_factory: AgentFactory | None = None,
                  secret: str | bytes | None = None, insecure: bool | None = None,
                  first_frame_timeout: float = 2.0, max_unauthenticated: int = 64,
-                 rank_grace: float = 30.0, stall_check: float = 0.25) -> None:
+                 rank_grace: float = 30.0, stall_check: float = 0.25,
+                 preauth_step_timeout: float = 1.0, max_unauthenticated_per_host: int = 8) -> None:
         super().__init__()
         # every setting is checked before anything else happens (InvalidRequestError)
         host = _check_host("host", host)
@@ -305,6 +345,8 @@ class NixlTransport(Transport):
         # timeouts must be > 0 (0 would fail every handshake or copy); the others may be 0
         first_frame_timeout = check_number("first_frame_timeout", first_frame_timeout,
                                            strictly_positive=True)
+        preauth_step_timeout = check_number("preauth_step_timeout", preauth_step_timeout,
+                                            strictly_positive=True)
         handshake_timeout = check_number("handshake_timeout", handshake_timeout, strictly_positive=True)
         write_timeout = check_number("write_timeout", write_timeout, strictly_positive=True)
         idle_poll = check_number("idle_poll", idle_poll)
@@ -314,6 +356,8 @@ class NixlTransport(Transport):
         stall_check = check_number("stall_check", stall_check)
         trim_handles = check_int("trim_handles", trim_handles, minimum=1)
         max_unauthenticated = check_int("max_unauthenticated", max_unauthenticated, minimum=1)
+        max_unauthenticated_per_host = check_int("max_unauthenticated_per_host",
+                                                 max_unauthenticated_per_host, minimum=1)
         if insecure is None:
             insecure = env_flag(INSECURE_ENV)
         check_bool("insecure", insecure)
@@ -334,9 +378,14 @@ class NixlTransport(Transport):
         self._secret: bytes | None = secret
         self.insecure = insecure
         self.first_frame_timeout, self.rank_grace = first_frame_timeout, rank_grace
+        self.preauth_step_timeout = preauth_step_timeout
         self.max_unauthenticated = max_unauthenticated
+        self.max_unauthenticated_per_host = min(max_unauthenticated_per_host, max_unauthenticated)
+        #: handshakes accepted whose peer has not passed its hello yet, in all and by host
         self._unauthenticated = 0
-        #: connections closed at once because max_unauthenticated were already pending
+        self._unauthenticated_by_host: dict[str, int] = {}
+        #: connections turned away at once ("busy" refusal) because max_unauthenticated
+        #: handshakes, or max_unauthenticated_per_host from that host, were pending
         self.refused_connections = 0
         #: ranks lost without a clean close: rank -> (agent, reserved until)
         self._gone: dict[int, tuple[str, float]] = {}
@@ -662,18 +711,47 @@ class NixlTransport(Transport):
                 await changed.wait()
             if scope.cancelled_caught:
                 raise HandshakeError(f"handshake with {address}: the other connection with rank "
-                                     f"{rank} did not come up in time")
+                                     f"{rank} did not come up in time", reason="timeout")
 
     async def connect(self, address: str, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+        """Handshake with the endpoint at ``address`` within ``timeout`` (default
+        ``handshake_timeout``). A peer that turns the connection away as busy (too many
+        handshakes pending there) is tried again with short, growing, jittered pauses
+        until the timeout; every failure is a :class:`HandshakeError` whose ``reason`` says
+        why (or a :class:`LayoutMismatchError`)."""
         limit = self._timeout(timeout)
         host, port = parse_address(address)
         assert self._host is not None and self._tg is not None
         deadline = anyio.current_time() + limit
+        pause = 0.01
+        while True:
+            try:
+                return await self._connect_once(address, host, port, deadline)
+            except HandshakeError as exc:
+                if exc.reason != BUSY:
+                    raise
+                left = deadline - anyio.current_time()
+                if left <= pause:
+                    raise HandshakeError(
+                        f"the peer at {address} stayed busy for the whole {limit:g} s connect "
+                        f"timeout ({exc}): it may be under a connection flood; try again later, "
+                        "or raise its max_unauthenticated", reason=BUSY) from exc
+                log.debug("%s is busy, trying again: %s", address, exc)
+                await anyio.sleep(pause * (0.5 + random.random()))
+                pause = min(pause * 2, 0.2)
+
+    async def _connect_once(self, address: str, host: str, port: int,
+                            deadline: float) -> tuple[int, dict[str, Any]]:
+        assert self._tg is not None
         try:
-            with anyio.fail_after(limit):
+            with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
                 stream = await anyio.connect_tcp(host, port)
-        except (OSError, TimeoutError) as exc:
-            raise HandshakeError(f"cannot reach a peer at {address}: {exc}") from exc
+        except TimeoutError as exc:
+            raise HandshakeError(f"cannot reach a peer at {address}: no connection in time",
+                                 reason="timeout") from exc
+        except (OSError, ValueError) as exc:  # ValueError: a host name the resolver refuses
+            raise HandshakeError(f"cannot reach a peer at {address}: {exc}",
+                                 reason="unreachable") from exc
         _keepalive(stream)
         fs = FrameStream(stream)
         join = _Join(self, fs, initiator=True)
@@ -690,9 +768,18 @@ class NixlTransport(Transport):
                 agent = join.agent if join.agent is not None else exc.agent
                 p = await self._await_peer(rank, agent, deadline, address)
                 return p.rank, p.hello
-            if not isinstance(exc, XavierError) and isinstance(
-                    exc, (TimeoutError, OSError, anyio.EndOfStream, anyio.IncompleteRead,
-                          anyio.BrokenResourceError, ValueError, TypeError)):
+            if isinstance(exc, XavierError):
+                raise
+            if isinstance(exc, TimeoutError):
+                raise HandshakeError(f"handshake with {address} failed: no answer in time",
+                                     reason="timeout") from exc
+            if isinstance(exc, (OSError, anyio.EndOfStream, anyio.IncompleteRead,
+                                anyio.BrokenResourceError)):
+                raise HandshakeError(
+                    f"handshake with {address} failed: the peer closed the connection without "
+                    f"saying why ({type(exc).__name__}); it may be stopping, or it is not an "
+                    "xavier_async endpoint", reason="closed") from exc
+            if isinstance(exc, (ValueError, TypeError)):
                 raise HandshakeError(f"handshake with {address} failed: {exc!r}") from exc
             raise
         peer = self._joined(join)
@@ -707,24 +794,64 @@ class NixlTransport(Transport):
                 stream = await listener.accept()
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return
-            if self._unauthenticated >= self.max_unauthenticated:  # a flood: hang up at once
+            except OSError as exc:  # out of file descriptors (a flood), or the like: go on
+                log.warning("accepting a connection failed: %s", exc)
+                await anyio.sleep(0.05)
+                continue
+            who = _remote_host(stream)
+            full = self._busy(who)
+            if full is not None:  # a flood: say so, and hang up at once
                 self.refused_connections += 1
-                with anyio.CancelScope(shield=True):
-                    await stream.aclose()
+                await self._turn_away(stream, full)
                 continue
             self._unauthenticated += 1
-            self._tg.start_soon(self._accept, stream)
+            self._unauthenticated_by_host[who] = self._unauthenticated_by_host.get(who, 0) + 1
+            self._tg.start_soon(self._accept, stream, who)
 
-    async def _accept(self, stream: SocketStream) -> None:
+    def _busy(self, who: str) -> str | None:
+        """Why a new connection from ``who`` is turned away now, or ``None``."""
+        if self._unauthenticated >= self.max_unauthenticated:
+            return (f"{self._unauthenticated} handshakes are pending at this endpoint "
+                    f"(max_unauthenticated={self.max_unauthenticated}); try again shortly")
+        mine = self._unauthenticated_by_host.get(who, 0)
+        if mine >= self.max_unauthenticated_per_host:
+            return (f"{mine} handshakes from {who} are pending at this endpoint "
+                    f"(max_unauthenticated_per_host={self.max_unauthenticated_per_host}); "
+                    "try again shortly")
+        return None
+
+    def _release_preauth(self, who: str) -> None:
+        self._unauthenticated -= 1
+        left = self._unauthenticated_by_host.get(who, 0) - 1
+        if left > 0:
+            self._unauthenticated_by_host[who] = left
+        else:
+            self._unauthenticated_by_host.pop(who, None)
+
+    async def _turn_away(self, stream: SocketStream, why: str) -> None:
+        """Tell a connection we will not serve now why (a "busy" refusal frame, which its
+        ``connect`` retries), then close it. Bounded: a fresh socket's send buffer takes
+        the small frame at once, and nothing is read."""
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(0.05):
+                try:
+                    await FrameStream(stream).send(refusal(busy(why)))
+                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
+            await stream.aclose()
+
+    async def _accept(self, stream: SocketStream, who: str) -> None:
         fs = FrameStream(stream)
         join = _Join(self, fs, initiator=False)
+        join.preauth = who  # taken by _accept_loop; released at the hello, or below
         try:
             try:
                 with anyio.fail_after(self.handshake_timeout):
                     await exchange(fs, initiator=False, party=join, secret=self._secret,
-                                   first_timeout=self.first_frame_timeout)
+                                   first_timeout=self.first_frame_timeout,
+                                   step_timeout=self.preauth_step_timeout)
             finally:
-                self._unauthenticated -= 1
+                join.release_preauth()
         except Exception as exc:
             if isinstance(exc, PeerYielded):
                 log.debug("handshake from a peer gave way to another connection: %s", exc)
