@@ -25,7 +25,7 @@ def check_int(name: str, value: object, *, minimum: int | None = None,
             raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
         try:
             value = operator.index(cast(SupportsIndex, value))  # numpy / torch ints
-        except TypeError:
+        except Exception:  # not an integer (a user type's __index__ may raise anything)
             raise InvalidRequestError(f"{name} must be an integer, got {value!r}") from None
     assert isinstance(value, int)
     if minimum is not None and value < minimum:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import ipaddress
 import json
 import logging
 import os
@@ -117,13 +118,39 @@ def _remote(stream: SocketStream) -> str:
         return "?"
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"nixl://host:port"``) -> (host, port), with clear errors."""
-    addr = address.removeprefix("nixl://")
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise HandshakeError(f"bad peer address {address!r}: expected 'host:port'", reason="address")
-    return host.strip("[]"), int(port)
+def parse_address(address: object) -> tuple[str, int]:
+    """``"host:port"`` (or ``"nixl://host:port"``; an IPv6 host in brackets,
+    ``"[::1]:7000"``) -> (host, port). The port is 1-65535 in ASCII digits, the host a
+    host name or an IP address; anything else is a :class:`HandshakeError` with
+    ``reason="address"``, raised before anything is dialled."""
+
+    def bad(why: str) -> HandshakeError:
+        return HandshakeError(f"bad peer address {address!r}: {why}; expected 'host:port' (an "
+                              "IPv6 host in brackets: '[::1]:7000')", reason="address")
+
+    if not isinstance(address, str):
+        raise bad("not a string")
+    host, sep, port = address.removeprefix("nixl://").rpartition(":")
+    if not sep or not host:
+        raise bad("no host")
+    if not (port.isascii() and port.isdigit()) or len(port) > 5 or not 0 < int(port) < 65536:
+        raise bad("the port must be a number from 1 to 65535")
+    if host.startswith("[") or host.endswith("]") or ":" in host:  # IPv6
+        if host.startswith("[") != host.endswith("]"):
+            raise bad("unbalanced brackets")
+        host = host[1:-1] if host.startswith("[") else host
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise bad("a host with ':' must be an IPv6 address") from None
+        return host, int(port)
+    if any(c.isspace() or not c.isprintable() for c in host):
+        raise bad("the host contains spaces or control characters")
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise bad("not a valid host name") from None
+    return host, int(port)
 
 
 class NixlAgent(Protocol):
