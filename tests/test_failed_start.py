@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xavier_async import Endpoint, EndpointConfig, EndpointClosedError, InvalidRequestError
+from xavier_async import Endpoint, EndpointConfig, EndpointClosedError, InvalidRequestError, ListenError
 
 from .conftest import assert_same_bytes, random_cache, zero_cache
 
@@ -44,15 +44,18 @@ async def test_failed_start_raises_the_real_error_and_leaves_the_task_healthy(ca
             expected: type[BaseException] = InvalidRequestError
         elif cause == "bad host":
             bad = Endpoint(2, _caches(2), _bad_host(), CFG)
-            expected = OSError
+            expected = ListenError  # an OSError too, with the cause chained
         else:
             port = int(a.address.rpartition(":")[2])
             bad = Endpoint(2, _caches(2), NixlTransport(port=port), CFG)
-            expected = OSError
+            expected = ListenError
         with pytest.raises(expected) as info:
             async with bad:
                 pytest.fail("a failed start must not run the body")
         assert "cancel scope" not in str(info.value)
+        if expected is ListenError:  # names where, and chains the operating system's error
+            assert ":" + (str(port) if cause == "port in use" else "0") in str(info.value)
+            assert isinstance(info.value.__cause__, OSError)
         t = bad.transport
         assert isinstance(t, NixlTransport)
         assert t._reg == [] and t._peers == {}                  # nothing registered

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from .channel import PeerChannel
 from .endpoint import Endpoint, EndpointConfig, LoadResult
 from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InternalError,
-                     InvalidRequestError,
-                     LayoutMismatchError, PeerLostError, RegistrationError, RemoteError,
+                     InvalidRequestError, LayoutMismatchError, ListenError, PeerLostError,
+                     RegistrationError, RemoteError,
                      StaleRequestError, TransferError, UnknownPeerError, XavierError)
 from .layout import ALL_LAYERS
 from .metrics import EndpointMetrics, PeerMetrics
@@ -30,7 +30,8 @@ __all__ = [
     "Transport", "LocalFabric", "LocalTransport", "NixlTransport", "SlabSizes",
     "XavierError", "InvalidRequestError", "LayoutMismatchError", "UnknownPeerError",
     "EndpointClosedError", "RegistrationError", "TransferError", "PeerLostError",
-    "RemoteError", "HandshakeError", "IntegrityError", "InternalError", "StaleRequestError",
+    "RemoteError", "HandshakeError", "ListenError", "IntegrityError", "InternalError",
+    "StaleRequestError",
     "__version__",
 ]
 

@@ -1,13 +1,16 @@
 """The checks every public entry point runs on caller input (pure; one place for each rule).
 
 Integers are real integers, never ``bool``; numpy and torch integer scalars are accepted
-and converted (``operator.index``). Failures raise :class:`InvalidRequestError` naming the
-argument.
+and converted (``operator.index``). Numbers are never NaN, and finite unless a setting
+says infinity means something. Environment flags are parsed strictly
+(:func:`env_flag`). Failures raise :class:`InvalidRequestError` naming the argument.
 """
 
 from __future__ import annotations
 
+import math
 import operator
+import os
 from collections.abc import Callable
 from typing import SupportsIndex, cast
 
@@ -22,7 +25,7 @@ def check_int(name: str, value: object, *, minimum: int | None = None,
             raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
         try:
             value = operator.index(cast(SupportsIndex, value))  # numpy / torch ints
-        except TypeError:
+        except Exception:  # not an integer (a user type's __index__ may raise anything)
             raise InvalidRequestError(f"{name} must be an integer, got {value!r}") from None
     assert isinstance(value, int)
     if minimum is not None and value < minimum:
@@ -38,15 +41,31 @@ def check_size(name: str, value: object, *, minimum: int = 1) -> int:
 
 
 def check_number(name: str, value: object, *, minimum: float = 0.0,
-                 strictly_positive: bool = False) -> float:
-    """A real number (int or float, not bool) >= ``minimum`` (> 0 if ``strictly_positive``)."""
+                 strictly_positive: bool = False, maximum: float | None = None,
+                 allow_inf: bool = False) -> float:
+    """A real number (int or float, not bool) >= ``minimum`` (> 0 if ``strictly_positive``)
+    and <= ``maximum``; returns it as a ``float``.
+
+    NaN is always refused (every comparison with it is false, so a NaN timeout or delay
+    silently disables the check it feeds); infinities are refused unless ``allow_inf``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequestError(f"{name} must be a number, got {value!r}")
-    if strictly_positive and value <= 0:
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        raise InvalidRequestError(f"{name} must be a finite number, got an integer too "
+                                  "large for a float") from None
+    if math.isnan(number):
+        raise InvalidRequestError(f"{name} must be a number, got NaN")
+    if math.isinf(number) and not allow_inf:
+        raise InvalidRequestError(f"{name} must be a finite number, got {number!r}")
+    if strictly_positive and number <= 0:
         raise InvalidRequestError(f"{name} must be > 0, got {value!r}")
-    if value < minimum:
+    if number < minimum:
         raise InvalidRequestError(f"{name} must be a number >= {minimum:g}, got {value!r}")
-    return value
+    if maximum is not None and number > maximum:
+        raise InvalidRequestError(f"{name} must be a number <= {maximum:g}, got {value!r}")
+    return number
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -54,6 +73,31 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequestError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+#: the spellings :func:`env_flag` accepts (compared case-insensitively, spaces stripped)
+FLAG_TRUE = ("1", "true", "yes", "on")
+FLAG_FALSE = ("0", "false", "no", "off", "")
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """The boolean environment variable ``name`` (``default`` when it is not set).
+
+    Accepted, in any case: ``1``/``true``/``yes``/``on`` and ``0``/``false``/``no``/``off``
+    or empty. Anything else is an error naming the variable, its value and the accepted
+    spellings (a typo such as ``ture`` must not silently pick a side)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    word = raw.strip().lower()
+    if word in FLAG_TRUE:
+        return True
+    if word in FLAG_FALSE:
+        return False
+    raise InvalidRequestError(
+        f"environment variable {name}={raw!r} is not a boolean: use one of "
+        f"{'/'.join(FLAG_TRUE)} to turn it on, or {'/'.join(FLAG_FALSE[:-1])} or empty to turn "
+        "it off (any case)")
 
 
 def cli_int(minimum: int) -> Callable[[str], int]:

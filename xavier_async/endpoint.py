@@ -49,7 +49,7 @@ from .channel import CopyPlan, PeerChannel
 from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InternalError,
                      InvalidRequestError, PeerLostError, RegistrationError, RemoteError,
                      TransferError, UnknownPeerError, XavierError)
-from .layout import BlockKey, CacheLayout, LayerId, check_key, check_layer_id, check_slot
+from .layout import BlockKey, CacheLayout, LayerId, check_key, check_layers, check_slot
 from .merging import LoadGroup, Member, MergedBatch
 from .metrics import EndpointMetrics
 from .packing import CacheTable, DeviceRuns, SlabRows, byte_rows, pack, unpack
@@ -628,13 +628,15 @@ class Endpoint:
     # -- publishing ---------------------------------------------------------------------
     def publish(self, key: BlockKey, slot: int, *, layers: Iterable[LayerId] | None = None) -> None:
         """Make ``key`` loadable by peers: it lives at ``slot`` of each layer's cache
-        (all layers by default)."""
+        (all layers by default). Every argument is checked before anything is published:
+        a malformed one raises :class:`InvalidRequestError`, and publishes nothing."""
         if self.closed:
             raise EndpointClosedError("endpoint is closed: it publishes nothing any more")
         check_key(key)
-        targets = list(self.caches) if layers is None else list(layers)
+        targets = list(self.caches) if layers is None else check_layers(layers)
+        if not targets:
+            check_int("slot", slot, minimum=0)
         for layer in targets:
-            check_layer_id(layer)
             if layer not in self.caches:
                 raise InvalidRequestError(f"unknown layer {layer!r}")
             slot = check_slot(slot, self.layout.layers[layer], layer)
@@ -642,8 +644,10 @@ class Endpoint:
             self._published[layer][key] = slot
 
     def unpublish(self, key: BlockKey, *, layers: Iterable[LayerId] | None = None) -> None:
-        """Stop serving ``key`` (unknown keys are ignored)."""
-        for layer in (self.caches if layers is None else layers):
+        """Stop serving ``key`` (keys and layers that are not published are ignored). A
+        malformed key or ``layers`` raises :class:`InvalidRequestError`."""
+        check_key(key)
+        for layer in (self.caches if layers is None else check_layers(layers)):
             self._published.get(layer, {}).pop(key, None)
 
     # -- loading (receiver side) ----------------------------------------------------------

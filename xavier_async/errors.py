@@ -66,4 +66,40 @@ class InternalError(XavierError, RuntimeError):
 
 
 class HandshakeError(XavierError):
-    """Connecting to a peer failed: bad address, version or layout mismatch."""
+    """Connecting to a peer failed: bad address, version or layout mismatch, or the peer
+    refused or turned the connection away.
+
+    :attr:`reason` says which, where it is known:
+
+    * ``"busy"``: the peer had too many handshakes pending (from everyone, or from our
+      address) and turned us away before reading anything. Transient: ``connect`` retries
+      it with short backoff until its own timeout, and raises it only when that ran out.
+    * ``"refused"``: the peer refused this handshake and said why (the message): a secret,
+      version or slab-size mismatch, a rank held by another agent, a late frame. Retrying
+      the same connect will not help until that is fixed.
+    * ``"unreachable"``: nothing accepted a connection at the address.
+    * ``"timeout"``: the handshake did not finish within the connect timeout.
+    * ``"closed"``: the peer hung up during the handshake without saying why (it may have
+      been stopping, or is not an xavier_async endpoint).
+    * ``"address"``: the address is malformed (expected ``host:port``).
+    * ``None``: anything else.
+    """
+
+    #: why the handshake failed (see the class docstring); ``None`` when unknown
+    reason: str | None = None
+
+    def __init__(self, *args: object, reason: str | None = None) -> None:
+        super().__init__(*args)
+        self.reason = reason
+
+
+class ListenError(XavierError, OSError):
+    """The endpoint could not listen on its ``host:port`` (the port is in use, or the host
+    is not an address of this machine); raised by ``async with Endpoint`` before anything
+    started, with the operating system's error chained as ``__cause__``. Pick another port
+    (0 picks a free one) or another host. It is an ``OSError`` too, with the cause's
+    ``errno``, so generic handlers keep working."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Union
 
@@ -116,6 +116,22 @@ class CacheLayout:
 def check_layer_id(layer: object) -> None:
     if isinstance(layer, bool) or not isinstance(layer, (int, str)):
         raise InvalidRequestError(f"layer ids must be int or str, got {layer!r}")
+
+
+def check_layers(layers: object) -> list[LayerId]:
+    """An iterable of layer ids (not a single id: a ``str`` or ``bytes`` is refused rather
+    than read as its characters); returns them as a list."""
+    if isinstance(layers, (str, bytes, bytearray)) or not isinstance(layers, Iterable):
+        raise InvalidRequestError(f"layers must be an iterable of layer ids such as [0, 1], got "
+                                  f"{layers!r} (wrap a single layer id in a list)")
+    try:
+        out = list(layers)
+    except TypeError:  # iterable in name only (a 0-d tensor or array)
+        raise InvalidRequestError(f"layers must be an iterable of layer ids such as [0, 1], "
+                                  f"got {layers!r}") from None
+    for layer in out:
+        check_layer_id(layer)
+    return out
 
 
 def check_key(key: object) -> None:

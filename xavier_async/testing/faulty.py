@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._checks import check_bool, check_int, check_number
 from ..errors import PeerLostError, TransferError
 from ..transports.base import TaskSpawner, Transport
 
@@ -42,6 +43,14 @@ class FaultPlan:
     #: a stalled write whose connection ended meanwhile still lands, like a one-sided
     #: NIXL WRITE the receiver cannot revoke (needs a LocalTransport inside)
     late_writes_land: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("seed", self.seed)
+        for name in ("registration_failure_rate", "write_failure_rate", "write_stall_rate",
+                     "corruption_rate"):
+            setattr(self, name, check_number(name, getattr(self, name), maximum=1.0))
+        self.stall_seconds = check_number("stall_seconds", self.stall_seconds)
+        check_bool("late_writes_land", self.late_writes_land)
 
 
 @dataclass
@@ -114,6 +123,7 @@ class FaultyTransport(Transport):
 
     def stall_next_writes(self, n: int = 1, seconds: float = 0.05) -> None:
         """The next ``n`` writes take ``seconds`` longer before they complete."""
+        seconds = check_number("seconds", seconds)
         self._stall_writes.extend([seconds] * n)
 
     def hold_next_writes(self, n: int = 1) -> None:

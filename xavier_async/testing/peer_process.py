@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._checks import env_flag
 from .child import ChildProcess, send_error, serve_commands
 from .hostprof import ENV as HOST_PROFILE_ENV
 from .hostprof import HostProfile
@@ -209,7 +210,7 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
         torch.cuda.set_device(torch.device(spec.device))
 
     host_profile = None
-    if os.environ.get(HOST_PROFILE_ENV):  # the bench's --serving-host-profile
+    if env_flag(HOST_PROFILE_ENV):  # the bench's --serving-host-profile (strict: "0" is off)
         host_profile = HostProfile().install()
 
     async def main() -> None:

@@ -17,8 +17,14 @@ the *initiator*, speaks first in every phase). Phases, each one frame per side:
    after checking the acceptor's hello, the acceptor after the initiator's ok.
 
 A side that refuses sends ``{"error": ..., "kind": ...}`` instead of its frame and raises;
-a side that receives a refusal raises it as :class:`HandshakeError` (or
-:class:`LayoutMismatchError`). Frames are JSON, never pickle.
+a side that receives a refusal raises it as :class:`HandshakeError` (``reason``
+``"refused"``) or :class:`LayoutMismatchError`. A listener at its cap of pending
+handshakes sends the refusal kind ``"busy"`` before reading anything, and closes; the
+connecting side raises it with ``reason="busy"`` (transient: the transport retries it).
+
+Deadlines on the acceptor until the peer's hello passed: ``first_timeout`` for the first
+frame, ``step_timeout`` for each later one (so a stranger that greets and falls silent
+is dropped after ``step_timeout``). Frames are JSON, never pickle.
 """
 
 from __future__ import annotations
@@ -64,24 +70,43 @@ class PeerYielded(HandshakeError):
 YIELD_KINDS = ("connected", "superseded")
 
 
+#: the refusal kind of a connection turned away because too many handshakes were pending:
+#: transient, the connecting side retries it (:class:`HandshakeError` ``reason="busy"``)
+BUSY = "busy"
+
+
 def refusal(exc: XavierError) -> Frame:
     """The frame that tells the peer why we refuse."""
     if isinstance(exc, PeerYielded):
         return {"error": str(exc), "kind": exc.kind, "rank": exc.rank, "agent": exc.agent}
+    if isinstance(exc, LayoutMismatchError):
+        kind = "layout"
+    elif isinstance(exc, HandshakeError) and exc.reason == BUSY:
+        kind = BUSY
     else:
-        kind = "layout" if isinstance(exc, LayoutMismatchError) else "handshake"
+        kind = "handshake"
     return {"error": str(exc), "kind": kind}
 
 
+def busy(message: str) -> HandshakeError:
+    """The error a listener sends (as a refusal frame) to a connection it turns away."""
+    return HandshakeError(message, reason=BUSY)
+
+
 def raise_refusal(frame: Frame) -> None:
-    """Raise the error a peer's refusal frame stands for."""
+    """Raise the error a peer's refusal frame stands for: :class:`PeerYielded` for a
+    connect race, :class:`HandshakeError` with ``reason`` ``"busy"`` (transient) or
+    ``"refused"``, or :class:`LayoutMismatchError`."""
     kind, text = frame.get("kind"), str(frame.get("error"))
     if kind in YIELD_KINDS:
         rank, agent = frame.get("rank"), frame.get("agent")
         raise PeerYielded(f"peer: {text}", str(kind), rank if type(rank) is int else None,
                           agent if isinstance(agent, str) else None)
-    cls = LayoutMismatchError if kind == "layout" else HandshakeError
-    raise cls(f"peer refused the handshake: {text}")
+    if kind == BUSY:
+        raise HandshakeError(f"peer is busy and turned the connection away: {text}", reason=BUSY)
+    if kind == "layout":
+        raise LayoutMismatchError(f"peer refused the handshake: {text}")
+    raise HandshakeError(f"peer refused the handshake: {text}", reason="refused")
 
 
 class FrameStream:
@@ -147,19 +172,20 @@ async def _refuse(fs: FrameStream, exc: XavierError) -> None:
 
 
 async def swap(fs: FrameStream, initiator: bool, mine: Callable[[], Frame],
-               check: Callable[[Frame], Awaitable[None]], first_timeout: float | None = None) -> Frame:
+               check: Callable[[Frame], Awaitable[None]], timeout: float | None = None) -> Frame:
     """One phase: the initiator sends then checks the answer; the acceptor checks then
-    answers. A check (or building our frame) that raises sends a refusal first."""
+    answers. A check (or building our frame) that raises sends a refusal first.
+    ``timeout``: how long to wait for the peer's frame (``None``: the caller's deadline)."""
 
     async def receive_checked() -> Frame:
         try:
-            if first_timeout is None:
+            if timeout is None:
                 theirs = await fs.receive()
             else:
-                with anyio.move_on_after(first_timeout) as scope:
+                with anyio.move_on_after(timeout) as scope:
                     theirs = await fs.receive()
                 if scope.cancelled_caught:
-                    raise HandshakeError(f"no handshake frame within {first_timeout} s")
+                    raise HandshakeError(f"no handshake frame within {timeout:g} s", reason="timeout")
         except HandshakeError as exc:  # malformed or oversized: say so, then hang up
             await _refuse(fs, exc)
             raise
@@ -205,12 +231,16 @@ def _checked_mac(fs: FrameStream, frame: Frame, key: str, secret: bytes, label: 
 
 
 async def exchange(fs: FrameStream, *, initiator: bool, party: Party, secret: bytes | None = None,
-                   first_timeout: float | None = None) -> Frame:
+                   first_timeout: float | None = None, step_timeout: float | None = None) -> Frame:
     """Run the whole handshake on ``fs``; return the peer's hello frame.
 
     ``secret``: the shared secret both sides must prove (``None``: no authentication; a
-    peer that has one refuses us). ``first_timeout``: how long to wait for the peer's
-    first frame."""
+    peer that has one refuses us). ``first_timeout``: how long the acceptor waits for the
+    peer's first frame; ``step_timeout``: for each of its later frames up to and including
+    the hello (the proof, then the hello), so a peer that greets and falls silent is
+    dropped after ``step_timeout``, not after the caller's whole handshake deadline. Both
+    apply to the acceptor only (the initiator is bounded by its connect timeout)."""
+    step = step_timeout if not initiator else None
     fs.initiator = initiator
     fs.max_frame = MAX_PREAUTH_FRAME
     nonce = secrets.token_hex(32)
@@ -239,9 +269,9 @@ async def exchange(fs: FrameStream, *, initiator: bool, party: Party, secret: by
             _checked_mac(fs, frame, "proof", key, _label(not initiator, "proof"), "proof")
 
         await swap(fs, initiator, lambda: {"proof": _mac(key, _label(initiator, "proof"), fs.transcript)},
-                   check_proof)
+                   check_proof, step)
     fs.max_frame = MAX_FRAME  # authenticated (or no secret on either side)
-    theirs = await swap(fs, initiator, party.hello, party.check_hello)
+    theirs = await swap(fs, initiator, party.hello, party.check_hello, step)
 
     def ok() -> Frame:
         party.commit()

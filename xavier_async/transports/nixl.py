@@ -23,9 +23,13 @@ per process per GPU.
 from __future__ import annotations
 
 import base64
+import errno
+import ipaddress
 import json
 import logging
 import os
+import random
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -35,11 +39,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 from anyio.abc import SocketStream
 
-from .._checks import check_int, check_number
-from ..errors import (HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError,
-                      XavierError)
+from .._checks import check_bool, check_int, check_number, env_flag
+from ..errors import (HandshakeError, InvalidRequestError, ListenError, PeerLostError, TransferError,
+                      UnknownPeerError, XavierError)
 from .base import TaskSpawner, Transport
-from .handshake import FrameStream, PeerYielded, exchange
+from .handshake import BUSY, FrameStream, PeerYielded, busy, exchange, refusal
 
 if TYPE_CHECKING:
     from ..slabs import Slab, SlabView
@@ -71,6 +75,18 @@ def _is_loopback(host: str) -> bool:
         return False
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
+def _check_host(name: str, host: object) -> str:
+    """A host name or IP address to listen on or advertise: a non-empty string without
+    spaces or control characters (an IPv6 address may be bracketed)."""
+    if not isinstance(host, str) or not host.strip("[]"):
+        raise InvalidRequestError(f"{name} must be a non-empty host name or IP address string "
+                                  f"such as '127.0.0.1', got {host!r}")
+    if any(c.isspace() or not c.isprintable() for c in host):
+        raise InvalidRequestError(f"{name} must be a host name or IP address, got {host!r} "
+                                  "(it contains spaces or control characters)")
+    return host
+
+
 def _keepalive(stream: SocketStream, idle: int = 5, interval: int = 2, count: int = 3) -> None:
     """TCP keepalive on a peer's stream: a host that vanishes without closing its socket
     (power loss, partition) is noticed in about idle + interval * count seconds."""
@@ -85,6 +101,15 @@ def _keepalive(stream: SocketStream, idle: int = 5, interval: int = 2, count: in
         log.debug("could not enable TCP keepalive", exc_info=True)
 
 
+def _remote_host(stream: SocketStream) -> str:
+    """The peer's IP address (what the per-host pre-authentication cap counts by)."""
+    try:
+        addr = stream.extra(anyio.abc.SocketAttribute.remote_address)
+        return str(addr[0]) if isinstance(addr, tuple) else str(addr)
+    except (anyio.TypedAttributeLookupError, ValueError, TypeError, IndexError):
+        return "?"
+
+
 def _remote(stream: SocketStream) -> str:
     try:
         addr = stream.extra(anyio.abc.SocketAttribute.remote_address)
@@ -93,13 +118,39 @@ def _remote(stream: SocketStream) -> str:
         return "?"
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"nixl://host:port"``) -> (host, port), with clear errors."""
-    addr = address.removeprefix("nixl://")
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise HandshakeError(f"bad peer address {address!r}: expected 'host:port'")
-    return host.strip("[]"), int(port)
+def parse_address(address: object) -> tuple[str, int]:
+    """``"host:port"`` (or ``"nixl://host:port"``; an IPv6 host in brackets,
+    ``"[::1]:7000"``) -> (host, port). The port is 1-65535 in ASCII digits, the host a
+    host name or an IP address; anything else is a :class:`HandshakeError` with
+    ``reason="address"``, raised before anything is dialled."""
+
+    def bad(why: str) -> HandshakeError:
+        return HandshakeError(f"bad peer address {address!r}: {why}; expected 'host:port' (an "
+                              "IPv6 host in brackets: '[::1]:7000')", reason="address")
+
+    if not isinstance(address, str):
+        raise bad("not a string")
+    host, sep, port = address.removeprefix("nixl://").rpartition(":")
+    if not sep or not host:
+        raise bad("no host")
+    if not (port.isascii() and port.isdigit()) or len(port) > 5 or not 0 < int(port) < 65536:
+        raise bad("the port must be a number from 1 to 65535")
+    if host.startswith("[") or host.endswith("]") or ":" in host:  # IPv6
+        if host.startswith("[") != host.endswith("]"):
+            raise bad("unbalanced brackets")
+        host = host[1:-1] if host.startswith("[") else host
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise bad("a host with ':' must be an IPv6 address") from None
+        return host, int(port)
+    if any(c.isspace() or not c.isprintable() for c in host):
+        raise bad("the host contains spaces or control characters")
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise bad("not a valid host name") from None
+    return host, int(port)
 
 
 class NixlAgent(Protocol):
@@ -199,6 +250,15 @@ class _Join:
         self.done = anyio.Event()
         #: our receive slabs named in the hello we sent (the peer's agent learns them)
         self.sent_slabs: set[int] = set()
+        #: the acceptor's pre-authentication slot: the remote host it is counted under,
+        #: until the peer's hello passed (or the handshake ended)
+        self.preauth: str | None = None
+
+    def release_preauth(self) -> None:
+        """Give back the pre-authentication slot (once)."""
+        who, self.preauth = self.preauth, None
+        if who is not None:
+            self.t._release_preauth(who)
 
     def _yield(self, message: str, kind: str) -> PeerYielded:
         assert self.t._host is not None
@@ -239,6 +299,7 @@ class _Join:
                                   "superseded")
             await other.done.wait()  # the peer decides: see how that handshake ends
         t._claims[rank] = self
+        self.release_preauth()  # authenticated and introduced: no longer a stranger
 
     def commit(self) -> None:
         if self.superseded or self.rank is None or self.t._claims.get(self.rank) is not self:
@@ -266,6 +327,25 @@ class NixlTransport(Transport):
     ``trim_handles``: how many exact-length handles to keep per view for trimmed copies.
     ``spin``: seconds :meth:`post` busy-polls a copy before handing it to the event loop.
     ``agent_factory``: builds the NIXL agent (tests pass a fake one).
+
+    Peer authentication (docs/threat-model.md): ``secret`` (or ``XAVIER_ASYNC_SECRET``),
+    required to listen beyond loopback unless ``insecure`` (or ``XAVIER_ASYNC_INSECURE``,
+    parsed strictly: ``1/true/yes/on`` or ``0/false/no/off``/empty).
+
+    Limits before a peer is authenticated, so that silent or slow strangers cannot lock
+    real peers out: a connection must send its first handshake frame within
+    ``first_frame_timeout`` seconds and each later one, up to its hello, within
+    ``preauth_step_timeout`` (its slot is freed at once when a step is late). At most
+    ``max_unauthenticated`` such handshakes are pending at once, and at most
+    ``max_unauthenticated_per_host`` from one remote address; a connection beyond either
+    cap is told "busy" and closed at once, and a connecting xavier_async endpoint retries
+    it until its own timeout. ``handshake_timeout`` bounds a whole handshake and is the
+    default timeout of :meth:`connect`. ``rank_grace``: how long a rank lost without a
+    clean close stays reserved for its agent. ``stall_check``: after a stall this long
+    (SIGSTOP, swap), the poll loop re-checks every peer's connection before serving.
+
+    Every setting is validated here (:class:`InvalidRequestError` naming it): numbers are
+    finite, timeouts > 0, hosts non-empty strings.
     """
 
     name = "nixl"
@@ -277,8 +357,37 @@ class NixlTransport(Transport):
                  spin: float = 0.0001, agent_factory: AgentFactory | None = None,
                  secret: str | bytes | None = None, insecure: bool | None = None,
                  first_frame_timeout: float = 2.0, max_unauthenticated: int = 64,
-                 rank_grace: float = 30.0, stall_check: float = 0.25) -> None:
+                 rank_grace: float = 30.0, stall_check: float = 0.25,
+                 preauth_step_timeout: float = 1.0, max_unauthenticated_per_host: int = 8) -> None:
         super().__init__()
+        # every setting is checked before anything else happens (InvalidRequestError)
+        host = _check_host("host", host)
+        if advertise is not None:
+            advertise = _check_host("advertise", advertise)
+        port = check_int("port", port, minimum=0, maximum=65535)
+        if isinstance(backends, str) or not isinstance(backends, (tuple, list)) or not backends \
+                or not all(isinstance(b, str) and b for b in backends):
+            raise InvalidRequestError(f"backends must be a non-empty tuple of NIXL backend names "
+                                      f"such as ('UCX',), got {backends!r}")
+        # timeouts must be > 0 (0 would fail every handshake or copy); the others may be 0
+        first_frame_timeout = check_number("first_frame_timeout", first_frame_timeout,
+                                           strictly_positive=True)
+        preauth_step_timeout = check_number("preauth_step_timeout", preauth_step_timeout,
+                                            strictly_positive=True)
+        handshake_timeout = check_number("handshake_timeout", handshake_timeout, strictly_positive=True)
+        write_timeout = check_number("write_timeout", write_timeout, strictly_positive=True)
+        idle_poll = check_number("idle_poll", idle_poll)
+        hot_window = check_number("hot_window", hot_window)
+        spin = check_number("spin", spin)
+        rank_grace = check_number("rank_grace", rank_grace)
+        stall_check = check_number("stall_check", stall_check)
+        trim_handles = check_int("trim_handles", trim_handles, minimum=1)
+        max_unauthenticated = check_int("max_unauthenticated", max_unauthenticated, minimum=1)
+        max_unauthenticated_per_host = check_int("max_unauthenticated_per_host",
+                                                 max_unauthenticated_per_host, minimum=1)
+        if insecure is None:
+            insecure = env_flag(INSECURE_ENV)
+        check_bool("insecure", insecure)
         if secret is None:
             secret = os.environ.get(SECRET_ENV) or None
         if isinstance(secret, str):
@@ -287,8 +396,6 @@ class NixlTransport(Transport):
             raise InvalidRequestError(f"secret must be str or bytes of at least 16 bytes "
                                       f"(got {type(secret).__name__} of {len(secret) if isinstance(secret, bytes) else '?'}); "
                                       "for example: python -c 'import secrets; print(secrets.token_hex(32))'")
-        if insecure is None:
-            insecure = os.environ.get(INSECURE_ENV, "") not in ("", "0")
         if secret is None and not insecure and not _is_loopback(host):
             raise InvalidRequestError(
                 f"refusing to listen on {host!r} without a secret: anyone who can reach that port "
@@ -296,28 +403,25 @@ class NixlTransport(Transport):
                 f"Pass secret= (or set {SECRET_ENV}) on every endpoint, or insecure=True (or "
                 f"{INSECURE_ENV}=1) if the network is trusted")
         self._secret: bytes | None = secret
-        self.insecure = bool(insecure)
-        check_number("first_frame_timeout", first_frame_timeout)
-        check_number("rank_grace", rank_grace)
-        check_int("max_unauthenticated", max_unauthenticated, minimum=1)
+        self.insecure = insecure
         self.first_frame_timeout, self.rank_grace = first_frame_timeout, rank_grace
+        self.preauth_step_timeout = preauth_step_timeout
         self.max_unauthenticated = max_unauthenticated
+        self.max_unauthenticated_per_host = min(max_unauthenticated_per_host, max_unauthenticated)
+        #: handshakes accepted whose peer has not passed its hello yet, in all and by host
         self._unauthenticated = 0
-        #: connections closed at once because max_unauthenticated were already pending
+        self._unauthenticated_by_host: dict[str, int] = {}
+        #: connections turned away at once ("busy" refusal) because max_unauthenticated
+        #: handshakes, or max_unauthenticated_per_host from that host, were pending
         self.refused_connections = 0
         #: ranks lost without a clean close: rank -> (agent, reserved until)
         self._gone: dict[int, tuple[str, float]] = {}
-        port = check_int("port", port, minimum=0, maximum=65535)
-        for n, v in (("idle_poll", idle_poll), ("hot_window", hot_window),
-                     ("write_timeout", write_timeout), ("handshake_timeout", handshake_timeout),
-                     ("spin", spin), ("stall_check", stall_check)):
-            check_number(n, v)
         self._listen_host, self._port = host, port
         self._advertise = advertise
         self._backends = list(backends)
         self.idle_poll, self.hot_window = idle_poll, hot_window
         self.write_timeout, self.handshake_timeout = write_timeout, handshake_timeout
-        self.trim_handles = max(1, int(trim_handles))
+        self.trim_handles = trim_handles
         self.spin = spin
         #: a poll loop that finds itself this many seconds after its previous pass (the
         #: process was stalled: SIGSTOP, swap, a long GC) re-checks every peer's control
@@ -381,13 +485,33 @@ class NixlTransport(Transport):
             self.memory_registrations += 1
         self._recv_slabs[recv.index] = recv
         self._recv_regs[recv.index] = self._reg[-1]
-        self._listener = await anyio.create_tcp_listener(local_host=self._listen_host,
-                                                         local_port=self._port)
+        self._listener = await self._listen()
         sock = self._listener.extra(anyio.abc.SocketAttribute.local_address)
         self._bound = (sock[0], sock[1])
         for listener in getattr(self._listener, "listeners", [self._listener]):
             tg.start_soon(self._accept_loop, listener)
         tg.start_soon(self._poll_loop)
+
+    async def _listen(self) -> Any:
+        """Bind and listen on ``host:port``; a failure is a :class:`ListenError` naming both,
+        with the operating system's error chained."""
+        host, port = self._listen_host, self._port
+        where = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+        try:
+            return await anyio.create_tcp_listener(local_host=host, local_port=port)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                hint = "the port is in use: pass another port (0 picks a free one) or stop what listens there"
+            elif exc.errno == errno.EADDRNOTAVAIL:
+                hint = "that host is not an address of this machine: pass one of its own addresses"
+            elif isinstance(exc, socket.gaierror):
+                hint = "that host name does not resolve: pass an address of this machine"
+            elif exc.errno == errno.EACCES:
+                hint = "this process may not bind that port (ports below 1024 need privileges)"
+            else:
+                hint = "pass another host or port"
+            raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}; {hint}",
+                              exc.errno) from exc
 
     def _reg_descs(self, slab: Slab) -> Any:
         return self._agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self._dev, "")],
@@ -622,18 +746,47 @@ class NixlTransport(Transport):
                 await changed.wait()
             if scope.cancelled_caught:
                 raise HandshakeError(f"handshake with {address}: the other connection with rank "
-                                     f"{rank} did not come up in time")
+                                     f"{rank} did not come up in time", reason="timeout")
 
     async def connect(self, address: str, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+        """Handshake with the endpoint at ``address`` within ``timeout`` (default
+        ``handshake_timeout``). A peer that turns the connection away as busy (too many
+        handshakes pending there) is tried again with short, growing, jittered pauses
+        until the timeout; every failure is a :class:`HandshakeError` whose ``reason`` says
+        why (or a :class:`LayoutMismatchError`)."""
         limit = self._timeout(timeout)
         host, port = parse_address(address)
         assert self._host is not None and self._tg is not None
         deadline = anyio.current_time() + limit
+        pause = 0.01
+        while True:
+            try:
+                return await self._connect_once(address, host, port, deadline)
+            except HandshakeError as exc:
+                if exc.reason != BUSY:
+                    raise
+                left = deadline - anyio.current_time()
+                if left <= pause:
+                    raise HandshakeError(
+                        f"the peer at {address} stayed busy for the whole {limit:g} s connect "
+                        f"timeout ({exc}): it may be under a connection flood; try again later, "
+                        "or raise its max_unauthenticated", reason=BUSY) from exc
+                log.debug("%s is busy, trying again: %s", address, exc)
+                await anyio.sleep(pause * (0.5 + random.random()))
+                pause = min(pause * 2, 0.2)
+
+    async def _connect_once(self, address: str, host: str, port: int,
+                            deadline: float) -> tuple[int, dict[str, Any]]:
+        assert self._tg is not None
         try:
-            with anyio.fail_after(limit):
+            with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
                 stream = await anyio.connect_tcp(host, port)
-        except (OSError, TimeoutError) as exc:
-            raise HandshakeError(f"cannot reach a peer at {address}: {exc}") from exc
+        except TimeoutError as exc:
+            raise HandshakeError(f"cannot reach a peer at {address}: no connection in time",
+                                 reason="timeout") from exc
+        except (OSError, ValueError) as exc:  # ValueError: a host name the resolver refuses
+            raise HandshakeError(f"cannot reach a peer at {address}: {exc}",
+                                 reason="unreachable") from exc
         _keepalive(stream)
         fs = FrameStream(stream)
         join = _Join(self, fs, initiator=True)
@@ -650,9 +803,18 @@ class NixlTransport(Transport):
                 agent = join.agent if join.agent is not None else exc.agent
                 p = await self._await_peer(rank, agent, deadline, address)
                 return p.rank, p.hello
-            if not isinstance(exc, XavierError) and isinstance(
-                    exc, (TimeoutError, OSError, anyio.EndOfStream, anyio.IncompleteRead,
-                          anyio.BrokenResourceError, ValueError, TypeError)):
+            if isinstance(exc, XavierError):
+                raise
+            if isinstance(exc, TimeoutError):
+                raise HandshakeError(f"handshake with {address} failed: no answer in time",
+                                     reason="timeout") from exc
+            if isinstance(exc, (OSError, anyio.EndOfStream, anyio.IncompleteRead,
+                                anyio.BrokenResourceError)):
+                raise HandshakeError(
+                    f"handshake with {address} failed: the peer closed the connection without "
+                    f"saying why ({type(exc).__name__}); it may be stopping, or it is not an "
+                    "xavier_async endpoint", reason="closed") from exc
+            if isinstance(exc, (ValueError, TypeError)):
                 raise HandshakeError(f"handshake with {address} failed: {exc!r}") from exc
             raise
         peer = self._joined(join)
@@ -667,24 +829,64 @@ class NixlTransport(Transport):
                 stream = await listener.accept()
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return
-            if self._unauthenticated >= self.max_unauthenticated:  # a flood: hang up at once
+            except OSError as exc:  # out of file descriptors (a flood), or the like: go on
+                log.warning("accepting a connection failed: %s", exc)
+                await anyio.sleep(0.05)
+                continue
+            who = _remote_host(stream)
+            full = self._busy(who)
+            if full is not None:  # a flood: say so, and hang up at once
                 self.refused_connections += 1
-                with anyio.CancelScope(shield=True):
-                    await stream.aclose()
+                await self._turn_away(stream, full)
                 continue
             self._unauthenticated += 1
-            self._tg.start_soon(self._accept, stream)
+            self._unauthenticated_by_host[who] = self._unauthenticated_by_host.get(who, 0) + 1
+            self._tg.start_soon(self._accept, stream, who)
 
-    async def _accept(self, stream: SocketStream) -> None:
+    def _busy(self, who: str) -> str | None:
+        """Why a new connection from ``who`` is turned away now, or ``None``."""
+        if self._unauthenticated >= self.max_unauthenticated:
+            return (f"{self._unauthenticated} handshakes are pending at this endpoint "
+                    f"(max_unauthenticated={self.max_unauthenticated}); try again shortly")
+        mine = self._unauthenticated_by_host.get(who, 0)
+        if mine >= self.max_unauthenticated_per_host:
+            return (f"{mine} handshakes from {who} are pending at this endpoint "
+                    f"(max_unauthenticated_per_host={self.max_unauthenticated_per_host}); "
+                    "try again shortly")
+        return None
+
+    def _release_preauth(self, who: str) -> None:
+        self._unauthenticated -= 1
+        left = self._unauthenticated_by_host.get(who, 0) - 1
+        if left > 0:
+            self._unauthenticated_by_host[who] = left
+        else:
+            self._unauthenticated_by_host.pop(who, None)
+
+    async def _turn_away(self, stream: SocketStream, why: str) -> None:
+        """Tell a connection we will not serve now why (a "busy" refusal frame, which its
+        ``connect`` retries), then close it. Bounded: a fresh socket's send buffer takes
+        the small frame at once, and nothing is read."""
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(0.05):
+                try:
+                    await FrameStream(stream).send(refusal(busy(why)))
+                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
+            await stream.aclose()
+
+    async def _accept(self, stream: SocketStream, who: str) -> None:
         fs = FrameStream(stream)
         join = _Join(self, fs, initiator=False)
+        join.preauth = who  # taken by _accept_loop; released at the hello, or below
         try:
             try:
                 with anyio.fail_after(self.handshake_timeout):
                     await exchange(fs, initiator=False, party=join, secret=self._secret,
-                                   first_timeout=self.first_frame_timeout)
+                                   first_timeout=self.first_frame_timeout,
+                                   step_timeout=self.preauth_step_timeout)
             finally:
-                self._unauthenticated -= 1
+                join.release_preauth()
         except Exception as exc:
             if isinstance(exc, PeerYielded):
                 log.debug("handshake from a peer gave way to another connection: %s", exc)
