@@ -133,3 +133,36 @@ def test_the_architecture_page_lists_every_layer_and_module():
         for mod in mods:
             if mod != "__init__":
                 assert f"`{mod}" in page, f"docs/architecture.md does not mention {mod}"
+
+
+def test_the_engine_guards_no_runtime_state_with_assert():
+    """A broken invariant in the engine raises a typed error (``InternalError`` or the
+    caller's error), never ``AssertionError`` (which ``python -O`` would also strip):
+    there is no ``assert`` statement in the pure core, the shell or the transports."""
+    found = []
+    for name, path in ALL:
+        if layer_of(name) not in ("core", "shell", "transports"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assert):
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno}")
+    assert not found, f"assert statements in the engine: {found}"
+
+
+def test_every_background_task_of_the_engine_is_guarded():
+    """Tasks start only through the endpoint's guarded ``Tasks`` (``tasks.py``): outside it,
+    the engine calls ``start_soon`` only on a ``Tasks``/``TaskSpawner`` it was handed
+    (``self._tg`` of the endpoint, ``tasks``/``self._tasks`` of a transport)."""
+    allowed = {"_tg", "tasks", "_tasks"}
+    bad = []
+    for name, path in ALL:
+        if layer_of(name) not in ("core", "shell", "transports") or name == "tasks":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "start_soon":
+                owner = node.func.value
+                owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "?")
+                if owner_name not in allowed:
+                    bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} ({owner_name}.start_soon)")
+    assert not bad, f"background tasks started outside the guard: {bad}"

@@ -27,7 +27,8 @@ def check_int(name: str, value: object, *, minimum: int | None = None,
             value = operator.index(cast(SupportsIndex, value))  # numpy / torch ints
         except Exception:  # not an integer (a user type's __index__ may raise anything)
             raise InvalidRequestError(f"{name} must be an integer, got {value!r}") from None
-    assert isinstance(value, int)
+        if type(value) is not int:  # an int subclass from __index__: a plain int from here on
+            value = int(value)
     if minimum is not None and value < minimum:
         raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:

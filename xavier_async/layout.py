@@ -95,7 +95,8 @@ class CacheLayout:
                     f"all caches must be on one device: layer {layer!r} is on {t.device}, "
                     f"others on {device}")
             layers[layer] = LayerSpec(tuple(t.shape[1:]), t.dtype, int(t.shape[0]))
-        assert device is not None
+        if device is None:  # (there is at least one layer: checked above)
+            raise InvalidRequestError("caches must hold at least one layer")
         return cls(layers, device)
 
     def wire(self) -> list[Any]:
@@ -145,7 +146,6 @@ def check_slot(slot: object, spec: LayerSpec, layer: LayerId) -> int:
         if isinstance(slot, bool) or not hasattr(slot, "__index__"):
             raise InvalidRequestError(f"slot for layer {layer!r} must be an int, got {slot!r}")
         slot = check_int(f"slot for layer {layer!r}", slot)
-    assert isinstance(slot, int)
     if not 0 <= slot < spec.num_slots:
         raise InvalidRequestError(
             f"slot {slot} out of range for layer {layer!r} ({spec.num_slots} slots)")

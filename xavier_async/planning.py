@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
 from typing import Any, NamedTuple, Union
 
-from .errors import InvalidRequestError
+from .errors import InternalError, InvalidRequestError
 from .layout import (ALL_LAYERS, SEGMENT_ALIGN, BlockKey, CacheLayout, LayerId, align_up,
                      check_key, check_layer_id, check_slot)
 
@@ -258,7 +258,8 @@ class PlannedBatch:
         segs = self._segments
         if segs is None:
             sh = self.shape
-            assert sh is not None
+            if sh is None:  # (built either from a shape or with its segments)
+                raise InternalError("a planned batch has neither segments nor a shape")
             keys, slots = self.keys, self.slots
             segs = self._segments = tuple(
                 Segment(layer, keys[s:s + c], o, bn, tuple((x,) for x in slots[s:s + c]))

@@ -15,7 +15,8 @@ import anyio
 import torch
 
 from .._checks import check_number
-from ..errors import HandshakeError, InvalidRequestError, PeerLostError, TransferError, UnknownPeerError
+from ..errors import (EndpointClosedError, HandshakeError, InternalError, InvalidRequestError,
+                      PeerLostError, TransferError, UnknownPeerError)
 from ..slabs import SlabView
 from .base import TaskSpawner, Transport
 
@@ -103,8 +104,16 @@ class LocalTransport(Transport):
     @property
     def address(self) -> str:
         if self._address is None:
-            raise RuntimeError("transport not started")
+            raise EndpointClosedError("the local transport is not started (it starts with its "
+                                      "endpoint: `async with Endpoint(...)`)")
         return self._address
+
+    @property
+    def _me(self) -> TransportHost:
+        """The endpoint this transport serves (from :meth:`start` on)."""
+        if self.host is None:
+            raise InternalError("the local transport is used before start()")
+        return self.host
 
     def _peer(self, peer: int) -> LocalTransport:
         t = self._peers.get(peer)
@@ -119,16 +128,16 @@ class LocalTransport(Transport):
             check_number("timeout", timeout, strictly_positive=True)
         await anyio.lowlevel.checkpoint()
         other = self.fabric.lookup(address)
-        assert self.host is not None and other.host is not None
-        mine, theirs = self.host.hello(), other.host.hello()
+        me, them = self._me, other._me
+        mine, theirs = me.hello(), them.hello()
         if self._peers.get(theirs["rank"]) is other and other._peers.get(mine["rank"]) is self:
             return theirs["rank"], theirs  # already connected (either end dialled): idempotent
-        self.host.check_hello(theirs)
-        other.host.check_hello(mine)
+        me.check_hello(theirs)
+        them.check_hello(mine)
         self._peers[theirs["rank"]] = other
         other._peers[mine["rank"]] = self
-        other.host.peer_joined(mine["rank"], mine)
-        self.host.peer_joined(theirs["rank"], theirs)
+        them.peer_joined(mine["rank"], mine)
+        me.peer_joined(theirs["rank"], theirs)
         return theirs["rank"], theirs
 
     async def map_view(self, peer: int, view: SlabView, slab: int = 0) -> object:
@@ -157,21 +166,18 @@ class LocalTransport(Transport):
         return other, other.recv_slabs[mapping.slab].tensor
 
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
-        other, dst = self.target(peer, mapping)
-        assert isinstance(mapping, LocalMapping)
-        assert other.host is not None and self.host is not None
-        dst[:nbytes].copy_(mapping.view.tensor[:nbytes])
+        other, dst = self.target(peer, mapping)  # (a LocalMapping of ours, or an error)
+        dst[:nbytes].copy_(mapping.view.tensor[:nbytes])  # type: ignore[attr-defined]
         if notify is not None:
-            other.host.deliver(self.host.rank, notify)
+            other._me.deliver(self._me.rank, notify)
         return None
 
     async def wait(self, pending: object) -> None:
-        raise AssertionError("local copies complete in post()")
+        raise InternalError("local copies complete in post(): there is nothing to wait for")
 
     async def send(self, peer: int, msg: bytes) -> None:
         other = self._peer(peer)
-        assert other.host is not None and self.host is not None
-        other.host.deliver(self.host.rank, msg)
+        other._me.deliver(self._me.rank, msg)
         await anyio.lowlevel.checkpoint()
 
     async def forget(self, peer: int) -> None:
@@ -194,10 +200,10 @@ class LocalTransport(Transport):
             return
         address, self._address = self._address, None
         self.fabric._leave(address)
-        assert self.host is not None
+        me = self._me.rank
         for rank, other in list(self._peers.items()):
             if other.host is not None and other._address is not None:
-                other.host.peer_lost(self.host.rank, PeerLostError(f"rank {self.host.rank} closed"))
-            other._peers.pop(self.host.rank, None)
+                other.host.peer_lost(me, PeerLostError(f"rank {me} closed"))
+            other._peers.pop(me, None)
         self._peers.clear()
         self._mappings.clear()

@@ -40,8 +40,8 @@ import anyio
 from anyio.abc import SocketStream
 
 from .._checks import check_bool, check_int, check_number, env_flag
-from ..errors import (HandshakeError, InvalidRequestError, ListenError, PeerLostError, TransferError,
-                      UnknownPeerError, XavierError)
+from ..errors import (EndpointClosedError, HandshakeError, InternalError, InvalidRequestError,
+                      ListenError, PeerLostError, TransferError, UnknownPeerError, XavierError)
 from .base import TaskSpawner, Transport
 from .handshake import BUSY, FrameStream, PeerYielded, busy, exchange, refusal
 
@@ -261,8 +261,7 @@ class _Join:
             self.t._release_preauth(who)
 
     def _yield(self, message: str, kind: str) -> PeerYielded:
-        assert self.t._host is not None
-        return PeerYielded(message, kind, self.t._host.rank, self.t.agent_name)
+        return PeerYielded(message, kind, self.t._started_host.rank, self.t.agent_name)
 
     def hello(self) -> dict[str, Any]:
         frame = self.t._my_hello()
@@ -277,7 +276,7 @@ class _Join:
         if type(rank) is not int or rank < 0 or not isinstance(agent, str):
             raise HandshakeError(f"malformed handshake from peer (rank {rank!r}, agent {agent!r})")
         self.rank, self.agent = rank, agent
-        assert t._host is not None
+        me = t._started_host.rank
         while True:
             other = t._claims.get(rank)
             if other is None:
@@ -291,7 +290,7 @@ class _Join:
                 break
             if other.agent != agent:
                 raise HandshakeError(f"rank {rank} is being claimed by another agent ({other.agent})")
-            if t._host.rank < rank:  # we decide, at once
+            if me < rank:  # we decide, at once
                 if self.initiator and not other.initiator and not other.committed:
                     other.superseded = True
                     break
@@ -489,8 +488,8 @@ class NixlTransport(Transport):
         sock = self._listener.extra(anyio.abc.SocketAttribute.local_address)
         self._bound = (sock[0], sock[1])
         for listener in getattr(self._listener, "listeners", [self._listener]):
-            tg.start_soon(self._accept_loop, listener)
-        tg.start_soon(self._poll_loop)
+            self._tasks.start_soon(self._accept_loop, listener)
+        self._tasks.start_soon(self._poll_loop)
 
     async def _listen(self) -> Any:
         """Bind and listen on ``host:port``; a failure is a :class:`ListenError` naming both,
@@ -625,14 +624,14 @@ class NixlTransport(Transport):
                 data = b""
             if data == b"":  # the other end closed its side
                 self._peer_gone(peer, True)
-                assert self._host is not None
-                self._host.peer_lost(peer.rank, PeerLostError(
+                self._started_host.peer_lost(peer.rank, PeerLostError(
                     f"rank {peer.rank} closed the connection (noticed after a stall)"))
 
     @property
     def address(self) -> str:
         if self._bound is None:
-            raise RuntimeError("transport not started")
+            raise EndpointClosedError("the NIXL transport is not started (it starts with its "
+                                      "endpoint: `async with Endpoint(...)`)")
         host = self._advertise or (self._bound[0] if self._bound[0] not in ("0.0.0.0", "::")
                                    else "127.0.0.1")
         return f"{host}:{self._bound[1]}"
@@ -668,28 +667,42 @@ class NixlTransport(Transport):
                 self._reg.clear()
 
     @property
+    def _started_host(self) -> TransportHost:
+        """The endpoint this transport serves (from :meth:`start` on)."""
+        if self._host is None:
+            raise InternalError("the NIXL transport is used before start()")
+        return self._host
+
+    @property
+    def _tasks(self) -> TaskSpawner:
+        """Where background tasks start (the endpoint's, from :meth:`start` on)."""
+        if self._tg is None:
+            raise InternalError("the NIXL transport is used before start()")
+        return self._tg
+
+    @property
     def _agent(self) -> NixlAgent:
         if self.agent is None:
-            raise RuntimeError("transport not started")
+            raise InternalError("the NIXL transport is used before start()")
         return self.agent
 
     # -- handshake ----------------------------------------------------------------------
     def _my_hello(self) -> dict[str, Any]:
-        assert self._host is not None and self._recv_slab is not None
-        return {"hello": self._host.hello(), "agent": self.agent_name,
+        if self._recv_slab is None:
+            raise InternalError("the NIXL transport has no receive slab before start()")
+        return {"hello": self._started_host.hello(), "agent": self.agent_name,
                 "meta": base64.b64encode(self._agent.get_agent_metadata()).decode(),
                 "recv_ptr": self._recv_slab.tensor.data_ptr(), "recv_dev": self._dev,
                 "recv_slabs": {str(i): s.tensor.data_ptr() for i, s in self._recv_slabs.items()},
                 "mem": self._mem}
 
     def _check(self, frame: dict[str, Any]) -> None:
-        assert self._host is not None
         try:
             hello = frame["hello"]
             frame["agent"], frame["meta"], frame["recv_ptr"]
         except (KeyError, TypeError):
             raise HandshakeError("malformed handshake from peer") from None
-        self._host.check_hello(hello)
+        self._started_host.check_hello(hello)
 
     def _add_peer(self, frame: dict[str, Any], fs: FrameStream, told: set[int] | None = None) -> _Peer:
         try:  # parse everything before touching the agent
@@ -729,9 +742,10 @@ class NixlTransport(Transport):
 
     def _joined(self, join: _Join) -> _Peer:
         peer = join.peer
-        assert peer is not None and self._host is not None
+        if peer is None:
+            raise InternalError("a handshake finished without adding its peer")
         peer.joined = True
-        self._host.peer_joined(peer.rank, peer.hello)
+        self._started_host.peer_joined(peer.rank, peer.hello)
         return peer
 
     async def _await_peer(self, rank: int | None, agent: str | None, deadline: float,
@@ -756,7 +770,6 @@ class NixlTransport(Transport):
         why (or a :class:`LayoutMismatchError`)."""
         limit = self._timeout(timeout)
         host, port = parse_address(address)
-        assert self._host is not None and self._tg is not None
         deadline = anyio.current_time() + limit
         pause = 0.01
         while True:
@@ -777,7 +790,7 @@ class NixlTransport(Transport):
 
     async def _connect_once(self, address: str, host: str, port: int,
                             deadline: float) -> tuple[int, dict[str, Any]]:
-        assert self._tg is not None
+        tasks = self._tasks
         try:
             with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
                 stream = await anyio.connect_tcp(host, port)
@@ -819,11 +832,11 @@ class NixlTransport(Transport):
             raise
         peer = self._joined(join)
         join.finish()
-        self._tg.start_soon(self._watch, peer)
+        tasks.start_soon(self._watch, peer)
         return peer.rank, peer.hello
 
     async def _accept_loop(self, listener: Any) -> None:
-        assert self._tg is not None
+        tasks = self._tasks
         while True:
             try:
                 stream = await listener.accept()
@@ -841,7 +854,7 @@ class NixlTransport(Transport):
                 continue
             self._unauthenticated += 1
             self._unauthenticated_by_host[who] = self._unauthenticated_by_host.get(who, 0) + 1
-            self._tg.start_soon(self._accept, stream, who)
+            tasks.start_soon(self._accept, stream, who)
 
     def _busy(self, who: str) -> str | None:
         """Why a new connection from ``who`` is turned away now, or ``None``."""
@@ -919,8 +932,7 @@ class NixlTransport(Transport):
             current = self._peers.get(peer.rank)
             if current is peer and not peer.lost and not self._closed:
                 self._peer_gone(peer, confirmed)
-                assert self._host is not None
-                self._host.peer_lost(peer.rank, PeerLostError(f"rank {peer.rank} {reason}"))
+                self._started_host.peer_lost(peer.rank, PeerLostError(f"rank {peer.rank} {reason}"))
 
     def _peer_gone(self, peer: _Peer, confirmed: bool) -> None:
         """Mark ``peer`` lost. Unless its side closed the connection (``confirmed``), its
@@ -1108,8 +1120,7 @@ class NixlTransport(Transport):
 
     async def _poll_loop(self) -> None:
         """Deliver NIXL notifications to the endpoint; spin while busy, nap while idle."""
-        agent, host = self._agent, self._host
-        assert host is not None
+        agent, host = self._agent, self._started_host
         by_agent = self._by_agent
         deliver = host.deliver
         checkpoint, sleep, monotonic = anyio.lowlevel.checkpoint, anyio.sleep, time.monotonic
