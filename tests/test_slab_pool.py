@@ -1,0 +1,272 @@
+"""The fair pool (``SlabPool``/``Ticket``) and the receiver's receive slabs (``RecvSlabs``):
+lending, the head-of-line rule, fences, replacements and their releases, as pure logic.
+
+A hypothesis state machine drives every operation in any order (borrow small or large,
+give back, fence, register a replacement that succeeds or fails, a late reply, a
+reconnect, a cancelled borrower, a pool that gives up on its waiters) and checks after
+every step that no slab is lent twice or both lent and fenced, that indices are never
+reused, that the transport's registrations are exactly the slabs there are, and that no
+borrower waits while a slab it may take is free.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from xavier_async.errors import InternalError, RegistrationError
+from xavier_async.slabs import RecvSlabs, Slab, SlabPool, Ticket, large_cap
+
+
+def _slab(index: int) -> Slab:
+    return Slab("recv", torch.zeros(32, dtype=torch.uint8), 8, index)
+
+
+def _recv(k: int) -> RecvSlabs[tuple[str, int]]:
+    return RecvSlabs([_slab(i) for i in range(k)], lambda s: ("rows", s.index))
+
+
+# -- SlabPool --------------------------------------------------------------------------------
+
+def test_large_borrowers_leave_one_slab_for_small_ones():
+    pool = SlabPool(range(4))
+    got = [pool.try_acquire(True) for _ in range(4)]
+    assert got[:3] == [0, 1, 2] and got[3] is None       # the cap: all but one
+    assert pool.try_acquire(False) == 3                   # a small batch still gets one
+
+
+def test_a_fence_wakes_a_large_waiter_held_back_by_the_cap():
+    """Three large borrowers hold slabs 0-2, a fourth waits (slab 3 is kept for small
+    ones). The three are fenced (removed): the pool is one slab now, with no reservation,
+    and the waiter gets slab 3 at once."""
+    pool = SlabPool(range(4))
+    for _ in range(3):
+        pool.try_acquire(True)
+    waiter = pool.enqueue(True)
+    assert not waiter.granted and pool.cap == 3
+    pool.remove(0)
+    pool.remove(1)
+    assert not waiter.granted                             # two slabs: still one kept back
+    pool.remove(2)
+    assert waiter.granted and waiter.index == 3 and pool.cap == large_cap(1)
+    pool.check()
+
+
+def test_the_cap_follows_the_slabs_in_the_pool():
+    pool = SlabPool(range(4))
+    assert pool.cap == 3
+    for i in range(4):
+        assert pool.try_acquire(False) == i
+    pool.remove(0)
+    pool.remove(1)
+    assert pool.cap == 1 and pool.usable == 2
+
+
+def test_removing_a_slab_that_is_not_lent_is_an_internal_error():
+    pool = SlabPool(range(2))
+    with pytest.raises(InternalError):
+        pool.remove(0)
+    pool.add(5)
+    with pytest.raises(InternalError):
+        pool.add(5)
+
+
+@pytest.mark.anyio
+async def test_a_pool_that_gives_up_on_its_waiters_fails_their_take():
+    pool = SlabPool(range(1))
+    pool.try_acquire(False)
+    waiters = [pool.enqueue(False) for _ in range(2)]
+    outcomes: list[BaseException] = []
+
+    async def take(t: Ticket) -> None:
+        try:
+            await t.take()
+        except RegistrationError as exc:
+            outcomes.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for t in waiters:
+            tg.start_soon(take, t)
+        await anyio.sleep(0.01)
+        assert pool.fail_waiters(RegistrationError("no slab can come back")) == 2
+    assert len(outcomes) == 2 and pool.waiting == 0
+    pool.release(0)                                       # the pool itself is intact
+    assert pool.try_acquire(False) == 0
+
+
+# -- RecvSlabs -------------------------------------------------------------------------------
+
+def test_replacement_indices_are_taken_before_registration_and_never_reused():
+    recv = _recv(2)
+    a, b = recv.new_index(), recv.new_index()             # two replacements at once
+    assert (a, b) == (2, 3)
+    recv.add(_slab(b))                                     # the second finishes first
+    recv.add(_slab(a))
+    assert sorted(recv.slabs) == sorted(recv.rows) == [0, 1, 2, 3]
+    assert recv.new_index() == 4                           # a failed one's index is not reused
+    with pytest.raises(InternalError):
+        recv.add(_slab(2))                                 # a second slab 2: refused
+    with pytest.raises(InternalError):
+        recv.add(_slab(9))                                 # an index nobody took
+    recv.check()
+
+
+def test_the_unpack_table_is_kept_with_its_slab():
+    recv = _recv(1)
+    slab = _slab(recv.new_index())
+    recv.add(slab)
+    assert recv.rows[slab.index] == ("rows", slab.index) and recv.slabs[slab.index] is slab
+
+
+# -- every interleaving --------------------------------------------------------------------------
+
+class RecvSlabsMachine(RuleBasedStateMachine):
+    """A receiver's slabs under any order of borrowing, fencing, replacing and releasing;
+    the model tracks what each borrower holds and what the transport has registered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recv: RecvSlabs[tuple[str, int]] | None = None
+        self.held: dict[int, bool] = {}            # lent slab -> large
+        self.waiting: list[Ticket] = []
+        self.registered: set[int] = set()          # the transport's receive registrations
+        self.pending: list[int] = []               # replacements being registered
+        self.issued: set[int] = set()              # every index ever handed out
+        self.fenced_for: dict[int, tuple[int, int]] = {}   # slab -> (peer, req)
+        self.req = 0
+
+    @initialize(k=st.integers(1, 4))
+    def start(self, k: int) -> None:
+        self.recv = _recv(k)
+        self.registered = set(range(k))
+        self.issued = set(range(k))
+
+    def _collect(self) -> None:
+        """Borrowers whose tickets were granted take their slabs (as ``take`` would)."""
+        for t in list(self.waiting):
+            if t.granted:
+                self.waiting.remove(t)
+                assert t.index not in self.held, f"slab {t.index} lent twice"
+                self.held[t.index] = t.large
+                t.claim()
+            elif t.error is not None:
+                self.waiting.remove(t)
+
+    @rule(large=st.booleans())
+    @precondition(lambda self: self.recv is not None)
+    def borrow(self, large: bool) -> None:
+        assert self.recv is not None
+        t = self.recv.pool.enqueue(large)
+        self.waiting.append(t)
+        self._collect()
+
+    @rule()
+    def fill_with_large(self) -> None:
+        """Large borrowers until one is held back (the head-of-line rule's edge)."""
+        assert self.recv is not None
+        for _ in range(self.recv.target + 1):
+            self.borrow(True)
+            if any(not t.granted for t in self.waiting):
+                break
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.held)
+    def give_back(self, data: st.DataObject) -> None:
+        assert self.recv is not None
+        index = data.draw(st.sampled_from(sorted(self.held)))
+        del self.held[index]
+        self.recv.pool.release(index)
+        self._collect()
+
+    @rule(data=st.data(), peer=st.integers(1, 3))
+    @precondition(lambda self: self.held)
+    def fence(self, data: st.DataObject, peer: int) -> None:
+        assert self.recv is not None
+        index = data.draw(st.sampled_from(sorted(self.held)))
+        del self.held[index]
+        self.req += 1
+        self.recv.fence(index, peer, f"inc-{peer}", self.req)
+        self.fenced_for[index] = (peer, self.req)
+        self._collect()
+
+    @rule()
+    @precondition(lambda self: self.recv is not None and self.recv.short())
+    def begin_replacement(self) -> None:
+        assert self.recv is not None
+        index = self.recv.new_index()              # taken before the registration awaits
+        assert index not in self.issued, f"index {index} handed out twice"
+        self.issued.add(index)
+        self.recv.registering += 1
+        self.pending.append(index)
+
+    @rule(data=st.data(), ok=st.booleans())
+    @precondition(lambda self: self.pending)
+    def finish_replacement(self, data: st.DataObject, ok: bool) -> None:
+        assert self.recv is not None
+        index = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        self.recv.registering -= 1
+        if ok:
+            assert index not in self.registered
+            self.registered.add(index)             # the transport registered it, then
+            self.recv.add(_slab(index))            # it joins, with its unpack table
+        self._collect()
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.recv is not None and self.recv.fenced)
+    def late_reply(self, data: st.DataObject) -> None:
+        assert self.recv is not None
+        index = data.draw(st.sampled_from(sorted(self.recv.fenced)))
+        peer, req = self.fenced_for.pop(index)
+        assert self.recv.release_reply(peer, req)
+        self._collect()
+
+    @rule(peer=st.integers(1, 3))
+    @precondition(lambda self: self.recv is not None)
+    def reconnect(self, peer: int) -> None:
+        assert self.recv is not None
+        n = self.recv.release_peer(peer, f"inc-{peer}")
+        for index in [i for i, (p, _) in self.fenced_for.items() if p == peer]:
+            del self.fenced_for[index]
+            n -= 1
+        assert n == 0
+        self._collect()
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.waiting)
+    def cancel(self, data: st.DataObject) -> None:
+        t = data.draw(st.sampled_from(self.waiting))
+        self.waiting.remove(t)
+        t.cancel()
+        self._collect()
+
+    @rule()
+    @precondition(lambda self: self.recv is not None and self.waiting and not self.recv.pool.usable
+                  and not self.recv.registering)
+    def give_up_on_waiters(self) -> None:
+        assert self.recv is not None
+        self.recv.pool.fail_waiters(RegistrationError("every slab is fenced"))
+        self._collect()
+        assert not self.waiting
+
+    @invariant()
+    def consistent(self) -> None:
+        recv = self.recv
+        if recv is None:
+            return
+        recv.check()                               # one place each, tables, no waiter left behind
+        assert set(recv.slabs) == self.registered, "registrations and slabs differ"
+        assert set(self.held) == set(recv.pool._held), (self.held, recv.pool._held)
+        assert not set(self.held) & set(recv.fenced), "a fenced slab is lent"
+        assert set(recv.fenced) == set(self.fenced_for)
+        assert recv.pool.usable <= recv.target
+        # liveness: with a free slab in the pool, a waiter that may take it has it
+        for t in self.waiting:
+            assert not t.granted
+
+
+TestRecvSlabsMachine = RecvSlabsMachine.TestCase
+TestRecvSlabsMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
