@@ -15,9 +15,11 @@ PKG = Path(__file__).resolve().parent.parent / "xavier_async"
 
 #: module (dotted, relative to the package) -> layer
 LAYERS = {
-    "core": ["errors", "_checks", "sizes", "policy", "layout", "planning", "merging", "protocol", "retry",
-             "metrics", "stages", "diagram"],
-    "shell": ["shielded", "slabs", "tasks", "packing", "_triton_runs", "channel", "endpoint", "__init__"],
+    "core": ["errors", "_checks", "sizes", "policy", "lifecycle", "config", "layout", "planning",
+             "merging", "protocol", "decision", "retry", "metrics", "stages", "diagram"],
+    "shell": ["shielded", "slabs", "fairpool", "recvslabs", "tasks", "packing", "_triton_runs",
+              "channel", "runtime", "peers", "scheduling", "receiver", "source", "endpoint",
+              "_internal", "__init__"],
     "transports": ["transports"],
     "testing": ["testing"],
     "bench": ["bench"],

@@ -105,7 +105,7 @@ async def test_a_key_unpublished_between_batches_is_reported_with_what_was_writt
     async with cluster([dst, src]) as (a, b):
         for s in range(20):
             b.publish(s, s)
-        real = a._load_batch
+        real = a._receiver.scheduler.load
         calls = 0
 
         async def unpublish_after_first(src_rank, batch):
@@ -115,7 +115,7 @@ async def test_a_key_unpublished_between_batches_is_reported_with_what_was_writt
                 b.unpublish(17)
             return await real(src_rank, batch)
 
-        a._load_batch = unpublish_after_first  # type: ignore[method-assign]
+        a._receiver.scheduler.load = unpublish_after_first  # type: ignore[method-assign]
         with pytest.raises(RemoteError) as info:
             await a.load({1: {0: {k: 20 + k for k in range(20)}}})
         partial = info.value.partial                           # type: ignore[attr-defined]
@@ -131,7 +131,7 @@ async def test_an_endpoint_used_after_fork_says_so():
         pid = os.fork()
         if pid == 0:  # the child: any use of the parent's endpoint is refused clearly
             try:
-                a._check_open()
+                a._rt.check_open()
             except EndpointClosedError as exc:
                 os._exit(0 if "forked child" in str(exc) else 2)
             os._exit(1)

@@ -194,7 +194,7 @@ def test_duplex_serving_checks_both_directions_and_registers_nothing_after_warm_
 
 def test_duplex_serving_reports_stages_and_host_time_per_phase(duplex):
     """Per phase and per process: the stage table, and (``--serving-host-profile``) the
-    host-time profile, in which each endpoint both served (``_on_load``) and loaded."""
+    host-time profile, in which each endpoint both served (``Source.on_load``) and loaded."""
     for name, r in duplex["serving"]["runs"].items():
         assert set(r["stages"]) == set(r["host_time"]) == {"mixed", "concurrent_small", "large_stream"}
         for phase, procs in r["host_time"].items():
@@ -202,7 +202,7 @@ def test_duplex_serving_reports_stages_and_host_time_per_phase(duplex):
             for proc, snap in procs.items():
                 rows = {row[0]: row for row in snap["rows"]}
                 assert snap["wall_us"] > 0 and len(rows) > 5, (name, phase, proc)
-                assert rows["endpoint.Endpoint._on_load"][1] > 0, (name, phase, proc)
+                assert rows["source.Source.on_load"][1] > 0, (name, phase, proc)
                 assert any(k.startswith("task:") for k in rows), (name, phase, proc)
             assert r["stages"][phase]["rank0"]["receiver"]["total"]["n"] > 0
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from xavier_async.bench.raw import copy_raw
+from xavier_async._internal import mapped_views
 
 from xavier_async import EndpointClosedError, EndpointConfig
 
@@ -228,7 +229,7 @@ async def test_cancelled_registration_is_not_cached():
             await copy_raw(a, 1, 100)
         assert scope.cancelled_caught
         ch = a.channel(1)
-        assert ch.mapped_views == () and ch.policy.state == "full"
+        assert mapped_views(ch) == () and ch.policy.state == "full"
         assert a.metrics.peer(1).batches_sent == 0
         assert await copy_raw(a, 1, 100) == 16 * KiB
         assert a.transport.map_calls == 2 and a.transport.map_done == 1
@@ -371,7 +372,7 @@ async def test_cancelled_close_still_finishes_cleanup():
                 await a.aclose()
             assert scope.cancel_called
             assert time.monotonic() - t0 >= (STALL - EARLY) * MARGIN
-            assert a.closed and a._state == "closed"
+            assert a.closed and a._rt.life.phase.value == "closed"
         assert out["result"].blocks == 2
         check(cs[0], orig[1], [(4, 4)])
         assert b.peers == ()                            # the transport was released
@@ -396,7 +397,7 @@ async def test_native_cancel_of_close_still_finishes_cleanup():
         with pytest.raises(asyncio.CancelledError):
             await closing
         assert time.monotonic() - t0 >= (STALL - EARLY) * MARGIN
-        assert a.closed and a._state == "closed" and b.peers == ()
+        assert a.closed and a._rt.life.phase.value == "closed" and b.peers == ()
         assert (await load).blocks == 2
         check(cs[0], orig[1], [(4, 4)])
 

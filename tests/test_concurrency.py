@@ -16,7 +16,6 @@ import torch
 
 from xavier_async import (EndpointClosedError, EndpointConfig, IntegrityError, PeerLostError,
                           XavierError)
-from xavier_async.slabs import SlabPool
 
 from .conftest import (KiB, assert_same_bytes, cluster, faulty,
                        random_cache, snapshot, zero_cache)
@@ -81,25 +80,6 @@ def test_config_validates_the_pool_sizes():
             EndpointConfig(receive_slabs=bad)
         with pytest.raises(Exception, match="send_slabs"):
             EndpointConfig(send_slabs=bad)
-
-
-def test_the_pool_reserves_a_slab_for_small_batches_and_serves_in_order():
-    pool = SlabPool(range(3))
-    a = pool.try_acquire(large=True)
-    b = pool.try_acquire(large=True)
-    assert (a, b) == (0, 1) and pool.try_acquire(large=True) is None     # the cap: 2 of 3
-    big = pool.enqueue(large=True)                                       # waits (cap)
-    small = pool.enqueue(large=False)                                    # not behind it
-    assert small.granted and not big.granted and small.index == 2
-    late = pool.enqueue(large=False)
-    pool.release(small.index)          # a small one came back: the small waiter, not the big
-    assert late.granted and not big.granted
-    pool.release(a)                    # a large one came back: the large waiter gets it
-    assert big.granted and pool.large_held == 2
-    late.cancel()                      # a granted ticket cancelled gives its slab back
-    assert pool.free == 1
-    one = SlabPool([0])                # one slab: no reservation
-    assert one.try_acquire(large=True) == 0
 
 
 @anyio_test
@@ -196,8 +176,8 @@ async def test_queued_requests_get_send_slabs_in_arrival_order():
             await b.transport.wait_stalled(1)
             for n, r in enumerate(rs[1:], start=1):
                 tg.start_soon(a.load, r)
-                await until(lambda: b._queued == n, "queued at the source, in this order")
-            held = a._recv.pool._held
+                await until(lambda: b._source._queued == n, "queued at the source, in this order")
+            held = a._receiver.slabs.pool._held
             slabs = sorted(held)          # each load holds its own receive slab
             b.transport.release_held()
         assert order == slabs == [0, 1, 2, 3]
@@ -311,12 +291,12 @@ async def test_a_cancelled_load_keeps_its_slab_until_its_copy_is_terminal():
             await b.transport.wait_stalled(1)
             scope.cancel()
             # meanwhile other loads use the other slabs, never the lent one
-            lent = a._recv.pool._held.copy()
+            lent = a._receiver.slabs.pool._held.copy()
             for i in range(8):
                 r = req(1, [10 + i], slot0=10 + i)
                 await a.load(r)
                 check(cs[0], cs, r)
-                assert a._recv.pool._held.keys() >= lent.keys()
+                assert a._receiver.slabs.pool._held.keys() >= lent.keys()
             assert "cancelled" not in outcome and a.recv_slab_stats["in_use"] == 1
             b.transport.release_held()
         assert outcome["cancelled"]
@@ -493,7 +473,7 @@ async def test_a_fenced_slab_leaves_the_pool_and_the_others_carry_on():
         stats = a.recv_slab_stats
         assert stats["fenced_now"] == 1 and stats["usable"] == K - 1
         assert stats["registered_since_start"] == 0      # not needed yet: three are free
-        fenced = next(iter(a._recv.fenced))
+        fenced = next(iter(a._receiver.slabs.fenced))
         rs = [req(2, [i], 10 + i) for i in range(12)]
         async with anyio.create_task_group() as tg:
             for r in rs:
@@ -502,11 +482,11 @@ async def test_a_fenced_slab_leaves_the_pool_and_the_others_carry_on():
             check(cs[0], cs, r)
         stats = a.recv_slab_stats
         assert stats["usable"] == K and stats["registered_since_start"] == 1  # one, for the fence
-        assert fenced in a._recv.fenced and fenced not in a._recv.pool._free
+        assert fenced in a._receiver.slabs.fenced and fenced not in a._receiver.slabs.pool._free
         assert_same_bytes(cs[0][0][3], torch.zeros(256))
         b.transport.release_held()                      # the stale write lands, late
         await until(lambda: a.recv_slab_stats["fenced_now"] == 0, "its late reply released it")
-        slab = a._recv.slabs[fenced]
+        slab = a._receiver.slabs.slabs[fenced]
         assert_same_bytes(slab.tensor[: 1 * KiB].view(torch.float32), cs[1][0][3])
         stats = a.recv_slab_stats
         assert stats["spares"] == 1 and stats["usable"] == K and stats["released_late"] == 1
@@ -556,7 +536,7 @@ async def _group_of_two(a, b, tg, leaving) -> tuple[dict, dict]:
     stay = req(1, [10], slot0=0)
     tg.start_soon(leaving)
     tg.start_soon(a.load, stay)
-    await until(lambda: len(a._forming) == 1 and len(a._forming[(1, False)].members) == 2,
+    await until(lambda: len(a._receiver.scheduler.forming) == 1 and len(a._receiver.scheduler.forming[(1, False)].members) == 2,
                 "both in one group")
     return first, stay
 
@@ -586,7 +566,7 @@ async def test_batches_that_wait_for_a_slab_go_out_in_one_copy():
             # 4 KiB small view: two of the three 2 KiB batches form a group, the third
             # starts another (both wait for the slab: two places in its queue, not three)
             await until(lambda: a.recv_slab_stats["waiting"] == 2 and
-                        len(a._forming[(1, False)].members) == 1, "two groups wait")
+                        len(a._receiver.scheduler.forming[(1, False)].members) == 1, "two groups wait")
             b.transport.release_held()
         m = a.metrics.peer(1)
         assert (m.batches_received, m.batches_merged) == (3, 1)
@@ -612,7 +592,7 @@ async def test_merge_small_bytes_lets_a_group_of_small_batches_grow_past_the_sma
         results: dict = {}
         async with releasing(b) as tg:
             first, rs = await _three_waiting(a, b, tg, results)
-            await until(lambda: len(getattr(a._forming.get((1, False)), "members", ())) == 3,
+            await until(lambda: len(getattr(a._receiver.scheduler.forming.get((1, False)), "members", ())) == 3,
                         "one group of three")
             assert a.recv_slab_stats["waiting"] == 1
             b.transport.release_held()
@@ -652,17 +632,17 @@ async def test_small_round_trips_caps_the_small_copies_in_flight_to_a_source():
             rs = [req(1, [10 + i], slot0=i) for i in range(3)]
             for i, r in enumerate(rs):
                 tg.start_soon(lambda i=i, r=r: _into(results, i, a.load(r)))
-            await until(lambda: len(getattr(a._forming.get((1, False)), "members", ())) == 3,
+            await until(lambda: len(getattr(a._receiver.scheduler.forming.get((1, False)), "members", ())) == 3,
                         "the three wait in one group")
-            assert a._recv.pool.free == K - 1 and a._lanes[1].waiting == 1
+            assert a._receiver.slabs.pool.free == K - 1 and a._receiver.scheduler.lanes[1].waiting == 1
             big = req(1, LARGE, slot0=20)
             await a.load(big)                               # large: past the cap, at once
             check(cs[0], cs, big)
-            assert len(results) == 0 and a._lanes[1].held == 1
+            assert len(results) == 0 and a._receiver.scheduler.lanes[1].held == 1
             b.transport.release_held()
         m = a.metrics.peer(1)
         assert (m.batches_received, m.batches_merged) == (3, 2)   # first, large, the group
-        assert a._lanes[1].held == a._lanes[1].waiting == 0 and a._recv.pool.free == K
+        assert a._receiver.scheduler.lanes[1].held == a._receiver.scheduler.lanes[1].waiting == 0 and a._receiver.slabs.pool.free == K
         for r in [first, *rs]:
             check(cs[0], cs, r)
 
@@ -683,14 +663,14 @@ async def test_a_load_cancelled_while_waiting_for_a_small_round_trip_takes_nothi
             first = await _fill_the_slab(a, b, tg)
             scope, outcome, run = cancellable(a, req(1, [7], slot0=3))
             tg.start_soon(run)
-            await until(lambda: a._lanes[1].waiting == 1, "waits for the round trip")
+            await until(lambda: a._receiver.scheduler.lanes[1].waiting == 1, "waits for the round trip")
             scope.cancel()
             await until(lambda: "cancelled" in outcome, "the load returned")
-            assert outcome["cancelled"] and not a._forming and a._lanes[1].waiting == 0
-            assert a._recv.pool.free == K - 1               # only the held copy's slab is out
+            assert outcome["cancelled"] and not a._receiver.scheduler.forming and a._receiver.scheduler.lanes[1].waiting == 0
+            assert a._receiver.slabs.pool.free == K - 1               # only the held copy's slab is out
             b.transport.release_held()
         assert_same_bytes(cs[0][0][3], torch.zeros(256))    # never written
-        assert a._lanes[1].held == 0 and a._recv.pool.free == K
+        assert a._receiver.scheduler.lanes[1].held == 0 and a._receiver.slabs.pool.free == K
         nxt = req(1, [8], slot0=4)
         await a.load(nxt)
         for r in (first, nxt):
@@ -757,7 +737,7 @@ async def test_when_every_member_leaves_the_group_leaves_the_slab_queue():
             await until(lambda: a.recv_slab_stats["waiting"] == 1, "the group waits")
             scope.cancel()
             await until(lambda: "cancelled" in outcome, "the cancellation returned")
-            assert a.recv_slab_stats["waiting"] == 0 and not a._forming
+            assert a.recv_slab_stats["waiting"] == 0 and not a._receiver.scheduler.forming
             b.transport.release_held()
         assert b.metrics.peer(0).batches_sent == 1
         check(cs[0], cs, first)
@@ -809,8 +789,8 @@ async def test_a_refused_merged_request_fails_only_the_load_naming_the_missing_k
             tg.start_soon(a.load, good[0])
             tg.start_soon(bad)
             tg.start_soon(a.load, good[1])
-            await until(lambda: len(a._forming) == 1 and
-                        len(next(iter(a._forming.values())).members) == 3, "one group of three")
+            await until(lambda: len(a._receiver.scheduler.forming) == 1 and
+                        len(next(iter(a._receiver.scheduler.forming.values())).members) == 3, "one group of three")
             b.transport.release_held()
         assert len(errors) == 1 and "not published" in str(errors[0])
         for r in [first, *good]:
@@ -836,7 +816,7 @@ async def test_a_lost_source_fails_every_member_with_its_own_error():
             await b.transport.wait_stalled(1)
             for i in range(3):
                 tg.start_soon(one, i)
-            await until(lambda: len(a._forming) == 1, "the others wait in a group")
+            await until(lambda: len(a._receiver.scheduler.forming) == 1, "the others wait in a group")
             a._peer_lost(1, PeerLostError("rank 1 lost (test)"))
             b.transport.release_held()
         assert len(errors) == 4

@@ -64,7 +64,7 @@ async def test_nixl_many_loads_in_flight_from_two_processes(capped):
                 nonlocal peak, lanes_peak
                 while True:
                     peak = max(peak, ep.recv_slab_stats["in_use"])
-                    lanes_peak = max([lanes_peak, *(lanes.held for lanes in ep._lanes.values())])
+                    lanes_peak = max([lanes_peak, *(lanes.held for lanes in ep._receiver.scheduler.lanes.values())])
                     await anyio.sleep(0.001)
 
             async with anyio.create_task_group() as outer:
@@ -160,8 +160,8 @@ async def test_nixl_concurrent_loads_under_injected_faults_never_write_a_wrong_b
                         for i, request in enumerate(requests):
                             tg.start_soon(one, i, request)
             merged = sum(ep.metrics.peer(r).batches_merged for r in procs)
-            assert bool(ep._lanes) is capped
-            assert all(lanes.held == lanes.waiting == 0 for lanes in ep._lanes.values())
+            assert bool(ep._receiver.scheduler.lanes) is capped
+            assert all(lanes.held == lanes.waiting == 0 for lanes in ep._receiver.scheduler.lanes.values())
         assert outcomes["ok"] > 0 and outcomes["failed"] > 0, outcomes   # faults really hit
         assert merged > 0, "no batch was merged: the faults met no group"
     finally:

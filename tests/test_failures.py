@@ -10,6 +10,7 @@ import torch
 
 from xavier_async import (EndpointConfig, PeerLostError, RegistrationError, RetryPolicy,
                           TransferError, UnknownPeerError)
+from xavier_async._internal import mapped_views
 from xavier_async.bench.raw import copy_raw
 from xavier_async.testing import FaultPlan, FaultyTransport
 
@@ -72,14 +73,14 @@ async def test_registration_failure_beyond_budget_is_not_cached():
             await a.load({1: {0: {"k1": 2}}})
         assert_caches_unchanged(caches[0], dst_before)
         ch = b.channel(0)
-        assert ch.mapped_views == ()                     # the failure was not cached
+        assert mapped_views(ch) == ()                     # the failure was not cached
         assert ch.policy.state == "full"                 # and the machine did not move
         m = b.metrics.peer(0)
         assert m.failures == 1 and m.retries == 2 and m.registrations == 0
         assert a.metrics.peer(1).load_errors == 1
         # the next caller tries again and succeeds
         await a.load({1: {0: {"k1": 2}}})
-        assert ch.mapped_views == (16 * KiB,) and m.registrations == 1
+        assert mapped_views(ch) == (16 * KiB,) and m.registrations == 1
         assert b.transport.inner.map_done == 1
     assert_same_bytes(caches[0][0][2], src[0][1])
 
@@ -91,7 +92,7 @@ async def test_registration_failure_through_copy_raw():
         a.transport.fail_next_registrations(3)
         with pytest.raises(RegistrationError):
             await copy_raw(a, 1, 100)
-        assert a.channel(1).mapped_views == ()
+        assert mapped_views(a.channel(1)) == ()
         assert await copy_raw(a, 1, 100) == 16 * KiB
         assert_same_bytes(b.recv_slab.tensor, a.send_slab.tensor)
 
@@ -160,7 +161,7 @@ async def test_waiters_retry_after_the_leader_fails():
         mappings = {id(o) for o in outcomes if not isinstance(o, RegistrationError)}
         assert len(errors) == 1 and len(mappings) == 1      # the next caller retried, once
         assert b.transport.inner.map_calls == 1
-        assert ch.mapped_views == (16 * KiB,)
+        assert mapped_views(ch) == (16 * KiB,)
 
 
 async def test_concurrent_loads_on_a_fresh_channel_register_once():
@@ -198,7 +199,7 @@ async def test_write_failure_resets_only_that_peers_channel(after_stall):
             await a.load({1: {0: {f"k{s}": s}}})
             await c.load({1: {0: {f"k{s}": s}}})
         assert b.policy(0).state == b.policy(2).state == "small"
-        assert b.channel(0).mapped_views == b.channel(2).mapped_views == (1 * KiB, 16 * KiB)
+        assert mapped_views(b.channel(0)) == mapped_views(b.channel(2)) == (1 * KiB, 16 * KiB)
         b.transport.fail_next_writes(1)
         if after_stall:
             b.transport.stall_next_writes(1, 0.02)
@@ -206,12 +207,12 @@ async def test_write_failure_resets_only_that_peers_channel(after_stall):
             await a.load({1: {0: {"k10": 10}}})
         assert_same_bytes(caches[0][0][10], orig[0][0][10])       # not unpacked
         ch = b.channel(0)
-        assert ch.policy.state == "full" and ch.mapped_views == ()
+        assert ch.policy.state == "full" and mapped_views(ch) == ()
         m = b.metrics.peer(0)
         assert m.resets == 1 and m.failures == 1
         assert a.metrics.peer(1).load_errors == 1
         # the other peer is untouched: same state, same mappings, still the small view
-        assert b.policy(2).state == "small" and b.channel(2).mapped_views == (1 * KiB, 16 * KiB)
+        assert b.policy(2).state == "small" and mapped_views(b.channel(2)) == (1 * KiB, 16 * KiB)
         assert b.metrics.peer(2).resets == 0
         res = await c.load({1: {0: {"k11": 11}}})
         assert res.wire_bytes == 1 * KiB
@@ -403,11 +404,11 @@ async def test_malformed_requests_from_a_peer_are_refused_and_the_source_keeps_s
                      [3, [[0, 7]]],              # keys that are not a list
                      [4, "nonsense"]):
             replied = anyio.Event()
-            waiter = b._requests.open(0, replied.set)  # as if b had sent this request
+            waiter = b._receiver.requests.open(0, replied.set)  # as if b had sent this request
             await b.transport.send(0, Load(waiter.req_id, body[1]).to_wire())
             with anyio.fail_after(5):
                 await replied.wait()
             assert isinstance(waiter.error, RemoteError), body
-            b._requests.close(waiter)
+            b._receiver.requests.close(waiter)
         await b.load({0: {0: {"k": 5}}})
         assert torch.equal(dst[0][5], src[0][3])

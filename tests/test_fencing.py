@@ -98,7 +98,7 @@ async def test_reconnect_under_a_new_epoch_releases_the_fence_and_refuses_old_re
         for s in range(16):
             b.publish(s, s)
         await a.load({1: {0: {1: 1}}})
-        old_epoch = a._epoch[1]
+        old_epoch = a._peers.epoch(1)
         faulty.stall_next_writes(1, 0.5)                      # the stalled write fails late
         with pytest.raises(PeerLostError):
             await a.load({1: {0: {2: 2}}})
@@ -108,7 +108,7 @@ async def test_reconnect_under_a_new_epoch_releases_the_fence_and_refuses_old_re
             await a.load({1: {0: {2: 2}}})
         # while b's write is unsettled, a reconnect does not release the fence
         await a.connect(b.address)
-        assert a._epoch[1] == old_epoch + 1 and b._min_epoch[0] == old_epoch + 1
+        assert a._peers.epoch(1) == old_epoch + 1 and b._peers.min_epoch(0) == old_epoch + 1
         assert a.recv_slab_stats["fenced_now"] == 1
         with anyio.fail_after(5):
             while faulty.unsettled():
@@ -120,14 +120,14 @@ async def test_reconnect_under_a_new_epoch_releases_the_fence_and_refuses_old_re
         assert stats["fenced_now"] == 0 and stats["released_reconnect"] == 1, stats
         # a request of an older epoch is refused by the source, nothing written
         replied = anyio.Event()
-        waiter = a._requests.open(1, replied.set)
+        waiter = a._receiver.requests.open(1, replied.set)
         before = a.recv_slab.tensor.clone()
         await a.transport.send(1, Load(waiter.req_id, [[0, [7]]], epoch=old_epoch,
                                        slab=a.recv_slab.index).to_wire())
         with anyio.fail_after(5):
             await replied.wait()
         assert isinstance(waiter.error, StaleRequestError) and waiter.settled
-        a._requests.close(waiter)
+        a._receiver.requests.close(waiter)
         assert torch.equal(a.recv_slab.tensor, before)
         await a.load({1: {0: {7: 7}}})
         assert_same_bytes(dst[0][7], src1[0][7])
@@ -193,8 +193,8 @@ async def test_replacements_registered_at_once_get_distinct_slabs_and_a_healthy_
         stats = a.recv_slab_stats
         assert stats["fences"] == 2 and stats["registered"] == 4, stats
         registered = _registered(a)
-        assert sorted(registered) == sorted(a._slabs.slabs) == [0, 1, 2, 3]
-        assert all(registered[i] is a._slabs.slabs[i] for i in registered)
+        assert sorted(registered) == sorted(a._receiver.slabs.slabs) == [0, 1, 2, 3]
+        assert all(registered[i] is a._receiver.slabs.slabs[i] for i in registered)
         a.check_invariants(idle=True)
         for key in range(16):
             a.caches[0][5].zero_()
@@ -334,16 +334,16 @@ async def test_a_broken_invariant_in_a_merged_round_trip_fails_only_its_loads(mo
         await a.connect(b.address)
         for s in range(16):
             b.publish(s, s)
-        original = a._load_into
+        original = a._receiver.round_trip
         calls = []
 
-        async def broken(src_, batch, slab, lent):
+        async def broken(src_, batch, lease):
             calls.append(batch)
             if len(calls) == 2:            # the merged group's round trip
                 raise RuntimeError("an invariant broke (injected)")
-            return await original(src_, batch, slab, lent)
+            return await original(src_, batch, lease)
 
-        monkeypatch.setattr(a, "_load_into", broken)
+        monkeypatch.setattr(a._receiver, "round_trip", broken)
         faulty.hold_next_writes(1)
         results: dict[int, object] = {}
 
@@ -368,7 +368,7 @@ async def test_a_broken_invariant_in_a_merged_round_trip_fails_only_its_loads(mo
         assert isinstance(results[2], InternalError) and isinstance(results[3], InternalError)
         assert "invariant broke" in str(results[2])
         assert any("merged load" in r.message for r in caplog.records)
-        monkeypatch.setattr(a, "_load_into", original)
+        monkeypatch.setattr(a._receiver, "round_trip", original)
         await a.load({1: {0: {4: 4}}})
         assert_same_bytes(a.caches[0][4], src[0][4])
         a.check_invariants(idle=True)
@@ -392,7 +392,7 @@ async def test_a_background_task_that_raises_never_takes_the_endpoint_down(monke
             await a.connect(b.address)
             b.publish(3, 3)
             await anyio.sleep(0.01)
-            assert a._tg.crashes == 1
+            assert a._rt.tasks.crashes == 1
             await a.load({1: {0: {3: 3}}})
             assert_same_bytes(a.caches[0][3], src[0][3])
     assert any("background task" in r.message and "_map_all" not in r.message or "broken" in r.message
@@ -451,9 +451,9 @@ async def _freeze_resume(rounds: int, stall_check: float, seed: int = 0) -> dict
                     counts["timeouts"] += 1
                     for _ in range(5):
                         await load_checked(2)
-                    fenced = list(ep._recv.fenced)
+                    fenced = list(ep._receiver.slabs.fenced)
                     assert len(fenced) == 1 and ep.recv_slab.index not in fenced
-                    slab = ep._recv.slabs[fenced[0]]
+                    slab = ep._receiver.slabs.slabs[fenced[0]]
                 finally:
                     os.kill(p1.proc.pid, signal.SIGCONT)
                 # keep loading from rank 2 while rank 1 wakes up and (maybe) writes late

@@ -72,7 +72,7 @@ def opened() -> Iterator[tuple[BlockingPortal, Endpoint, Endpoint]]:
 
 
 def _published(ep: Endpoint) -> dict[Any, dict[Any, int]]:
-    return {layer: dict(keys) for layer, keys in ep._published.items()}
+    return {layer: dict(keys) for layer, keys in ep._source.published.items()}
 
 
 @HYP

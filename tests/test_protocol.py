@@ -18,9 +18,9 @@ from xavier_async import ChannelPolicy, HandshakeError, LayoutMismatchError, Rem
 from xavier_async.errors import PeerLostError, RegistrationError, TransferError, XavierError
 from xavier_async.layout import CacheLayout
 from xavier_async.planning import normalize, plan_batches
+from xavier_async.decision import NeedsMapping, ParsedLoad, Ready, Refuse, decide, parse_load
 from xavier_async.protocol import (ERROR_KINDS, PROTOCOL_VERSION, Error, Hello, Landed, Load, Probe,
-                                   NeedsMapping, ParsedLoad, ProtocolError, Ready, Refuse,
-                                   RequestTable, check_hello, decide, decode, parse_load)
+                                   ProtocolError, RequestTable, check_hello, decode)
 from xavier_async.sizes import SlabSizes
 
 LAYOUT = CacheLayout.of({0: torch.zeros(8, 4, dtype=torch.float32),      # 16 B blocks
@@ -214,7 +214,8 @@ def test_probe_and_settled_error_round_trip(req_id, settled):
 @settings(max_examples=300, deadline=None)
 @given(json_values)
 def test_probe_check_and_peer_facts_never_raise(body):
-    from xavier_async.protocol import Probe, check_probe, peer_facts
+    from xavier_async.decision import check_probe
+    from xavier_async.protocol import Probe, peer_facts
     out = check_probe(Probe(1, body), LAYOUT, _published())
     assert out is None or isinstance(out, XavierError)
     hello = body if isinstance(body, dict) else {"rank": 1, "epochs": body, "unsettled": body}
@@ -224,7 +225,8 @@ def test_probe_check_and_peer_facts_never_raise(body):
 
 def test_peer_facts_and_stale_epochs():
     from xavier_async import StaleRequestError
-    from xavier_async.protocol import check_epoch, peer_facts
+    from xavier_async.decision import check_epoch
+    from xavier_async.protocol import peer_facts
     facts = peer_facts(0, {"rank": 1, "incarnation": "x", "epochs": [[0, 6], [2, 9]],
                            "unsettled": [2]}, {1: 4})
     assert facts.epoch_as_receiver == 5 and facts.min_epoch == 7 and not facts.writes_unsettled
@@ -253,7 +255,7 @@ def test_slots_of_matches_one_lookup_per_key(segments, published):
     """``slots_of`` (one C call per segment, segments repeating the previous keys share
     them) gives exactly the per-key lookup, or refuses naming a key that is missing."""
     from xavier_async.planning import Segment
-    from xavier_async.protocol import slots_of
+    from xavier_async.decision import slots_of
     segs, prev = [], ()
     for layer, keys, repeat in segments:
         keys = prev if repeat and segs else tuple(keys)  # the same tuple object, as from the wire

@@ -12,6 +12,7 @@ import torch
 
 from xavier_async import (Endpoint, EndpointConfig, LocalFabric, LocalTransport, RemoteError,
                           TransferError, protocol)
+from xavier_async._internal import prepare_bare_copy
 from xavier_async.testing import FaultyTransport
 
 from .conftest import assert_same_bytes, random_cache, zero_cache
@@ -81,7 +82,7 @@ async def test_a_reset_during_registration_makes_the_channel_choose_again():
         plans = []
 
         async def prepare() -> None:
-            plans.append(await ch.prepare(100))
+            plans.append(await prepare_bare_copy(ch, 100))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(prepare)
@@ -160,7 +161,7 @@ async def test_a_pack_failure_is_a_transfer_error_and_the_source_keeps_serving(m
     """Anything raised while packing (a CUDA out-of-memory, a kernel error) after the
     machine advanced: the loader gets a TransferError at once (not a timeout), the
     channel starts over with no stale mapping, and the next loads are served."""
-    import xavier_async.endpoint as endpoint_module
+    import xavier_async.source as endpoint_module
     real_pack = endpoint_module.pack
     calls = {"n": 0}
 

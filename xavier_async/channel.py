@@ -56,8 +56,6 @@ class PeerChannel:
         self.peer = peer
         self.transport = transport
         self.send_slabs = list(send_slabs)
-        #: the first send slab (bare copies use it)
-        self.send_slab = self.send_slabs[0]
         self.policy = policy
         self.retry = retry
         self.metrics = metrics
@@ -76,13 +74,8 @@ class PeerChannel:
 
     def mapped_for(self, send: int) -> dict[tuple[View, int], object]:
         """The (view name, peer's receive slab) pairs mapped from send slab ``send`` (what
-        :func:`xavier_async.protocol.decide` is given)."""
+        :func:`xavier_async.decision.decide` is given)."""
         return self._mappings[send]
-
-    @property
-    def mapped_views(self) -> tuple[int, ...]:
-        """Sizes of the views currently mapped for this peer (any slabs)."""
-        return tuple(sorted({self.send_slab[v].nbytes for by in self._mappings for v, _ in by}))
 
     async def mapping(self, name: View, slab: int = 0, send: int = 0) -> object:
         """The mapping of view ``name`` of send slab ``send`` to the peer's receive slab
@@ -132,20 +125,6 @@ class PeerChannel:
         return CopyPlan(payload, view, view_bytes, wire, self._mappings[send][(view, slab)], useful,
                         slab)
 
-    async def prepare(self, payload: int) -> CopyPlan:
-        """Choose the view for a bare copy, make sure it is mapped, then commit the choice.
-
-        The machine only advances once the mapping exists, so a failed registration leaves
-        the channel's state as it was (and a reset during the registration is honoured:
-        the choice is made again afterwards)."""
-        if not 0 < payload <= self.policy.full_bytes:
-            self.policy.select(payload)  # raises the policy's own error
-        while True:
-            view = self.policy.peek_view(payload)
-            if (view, 0) in self._mappings[0]:
-                return self.commit(payload, view, payload)
-            await self.mapping(view)
-
     def post(self, plan: CopyPlan, notify: bytes | None) -> object | None:
         """Start the copy (synchronous). ``None`` if it already finished (metrics are
         counted), else a token for :meth:`finish`. On failure the channel is reset (the
@@ -170,16 +149,6 @@ class PeerChannel:
         self._account(plan)
         if held is not None:
             raise held
-
-    async def write(self, plan: CopyPlan, notify: bytes | None) -> None:
-        """Start the copy and wait, shielded, for its terminal state."""
-        try:
-            pending = self.post(plan, notify)
-        except TransferError:
-            await self.forget()
-            raise
-        if pending is not None:  # not finished while posting
-            await self.finish(plan, pending)
 
     def _failed(self, exc: BaseException) -> TransferError:
         self.metrics.failures += 1

@@ -70,25 +70,18 @@ class LoadGroup:
     """Batches of one source merged into one copy; accepts members until it starts.
 
     ``limit``: the largest merged payload (the small view for small batches, the full slab
-    for large ones). ``ticket`` and the events are the engine's (kept here, untyped, so
-    this module stays free of I/O)."""
+    for large ones). The round trip that carries a group is the receiver's
+    (:class:`xavier_async.scheduling.GroupRun`)."""
 
-    __slots__ = ("src", "large", "limit", "members", "nbytes", "started", "ticket", "done",
-                 "scope", "lane")
+    __slots__ = ("src", "large", "limit", "members", "nbytes", "started")
 
-    def __init__(self, src: int, large: bool, limit: int, ticket: Any = None) -> None:
+    def __init__(self, src: int, large: bool, limit: int) -> None:
         self.src, self.large, self.limit = src, large, limit
         self.members: list[Member] = []
         #: the payload end of the members so far
         self.nbytes = 0
         #: set when the group takes its slab: no member joins or leaves after that
         self.started = False
-        self.ticket = ticket
-        self.done: Any = None
-        self.scope: Any = None
-        #: a small group's place in its source's round-trip lanes
-        #: (``EndpointConfig.small_round_trips``; None: no cap)
-        self.lane: Any = None
 
     def fits(self, batch: PlannedBatch) -> bool:
         """Whether ``batch`` can still join (the group has not started and has room)."""

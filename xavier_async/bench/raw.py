@@ -5,14 +5,15 @@ A raw copy writes the first ``nbytes`` of the send slab into the peer's receive 
 through the view the channel's machine chooses, with no request and no unpack. It
 overwrites the peer's receive slab without coordination, so the peer must consent
 (:func:`accept_raw_copies` before it starts; its hello says so) and must load nothing
-meanwhile. None of this is part of the engine's API: it reaches into the endpoint's send
-slab guard on purpose.
+meanwhile. None of this is part of the engine's API: it goes through the engine's
+internal seams (:mod:`xavier_async._internal`) on purpose.
 """
 
 from __future__ import annotations
 
 import anyio
 
+from .. import _internal
 from .._checks import check_bool, check_size
 from ..channel import PeerChannel
 from ..endpoint import Endpoint
@@ -25,7 +26,7 @@ RAW_COPIES = "accept_raw_copies"
 
 def accept_raw_copies(ep: Endpoint) -> None:
     """Let peers :func:`copy_raw` into ``ep``'s receive slab (call before entering ``ep``)."""
-    ep._hello_extras[RAW_COPIES] = True
+    _internal.hello_extras(ep)[RAW_COPIES] = True
 
 
 async def copy_raw(ep: Endpoint, peer: int, nbytes: int) -> int:
@@ -37,9 +38,9 @@ async def copy_raw(ep: Endpoint, peer: int, nbytes: int) -> int:
         raise InvalidRequestError(f"rank {peer} does not accept raw copies")
     if nbytes > ep.config.full_bytes:
         raise InvalidRequestError(f"{nbytes} B exceeds the full slab ({ep.config.full_bytes} B)")
-    async with ep._send_work():
-        plan = await ch.prepare(nbytes)
-        await ch.write(plan, None)
+    async with _internal.holding_send_slab(ep):
+        plan = await _internal.prepare_bare_copy(ch, nbytes)
+        await _internal.write_bare_copy(ch, plan)
     # a cancellation that arrived during the (shielded) copy surfaces now
     await anyio.lowlevel.checkpoint_if_cancelled()
     return plan.view_bytes
@@ -68,12 +69,7 @@ def raw_floor(ep: Endpoint, peer: int, nbytes: int, copies: int, warmup: int = 1
 
     from ..errors import TransferError
 
-    t = ep.transport
-    agent = getattr(t, "agent", None)
-    if agent is None or ep.send_slab is None:
-        raise InvalidRequestError("the raw floor needs a started NIXL transport")
-    p = t._peer(peer)  # type: ignore[attr-defined]
-    h = t._handle(p, ep.send_slab.tensor.data_ptr(), nbytes)  # type: ignore[attr-defined]
+    agent, h = _internal.raw_handle(ep, peer, nbytes)
     perf = time.perf_counter
     out = []
     try:

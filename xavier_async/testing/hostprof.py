@@ -5,7 +5,7 @@ to end, waits for the event loop included; under load that hides which *work* fi
 loop. :class:`HostProfile` counts the work itself, in one process, while installed:
 
 * every asyncio callback the loop runs, by what it is: ``task:`` and the task's
-  coroutine chain where it was suspended (``task:Endpoint._run_group>Endpoint._take``:
+  coroutine chain where it was suspended (``task:BatchScheduler._run_group>Receiver.take``:
   the step that resumed it there), or the callback's name;
 * every call of the engine functions in :data:`FUNCTIONS` (parsing, the lookup, building
   run tables, launches, waiting for CUDA events, NIXL calls), nested inside the
@@ -33,14 +33,14 @@ ENV = "XAVIER_ASYNC_HOST_PROFILE"
 #: (module, attribute path) of the functions timed on every call
 FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("xavier_async.endpoint", "Endpoint._on_message"),
-    ("xavier_async.endpoint", "Endpoint._on_load"),
-    ("xavier_async.endpoint", "Endpoint._post"),
-    ("xavier_async.endpoint", "Endpoint._recv_slab_free"),
     ("xavier_async.endpoint", "decode"),
-    ("xavier_async.endpoint", "parse_load"),
-    ("xavier_async.endpoint", "decide"),
-    ("xavier_async.endpoint", "pack"),
-    ("xavier_async.endpoint", "unpack"),
+    ("xavier_async.source", "Source.on_load"),
+    ("xavier_async.source", "Source._post"),
+    ("xavier_async.source", "parse_load"),
+    ("xavier_async.source", "decide"),
+    ("xavier_async.source", "pack"),
+    ("xavier_async.receiver", "Receiver._recv_slab_free"),
+    ("xavier_async.receiver", "unpack"),
     ("xavier_async.packing", "pack_table"),
     ("xavier_async.packing", "unpack_table"),
     ("xavier_async.packing", "DeviceRuns.run"),
@@ -52,7 +52,7 @@ AGENT_METHODS = ("transfer", "check_xfer_state", "send_notif", "get_new_notifs")
 
 
 def _label(fn: Any) -> str:
-    """``module.qualname`` of a function (``packing.unpack``, ``endpoint.Endpoint._post``)."""
+    """``module.qualname`` of a function (``packing.unpack``, ``source.Source._post``)."""
     return f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__qualname__}"
 
 

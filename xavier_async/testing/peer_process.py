@@ -192,7 +192,7 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
     spec = PeerSpec(**{**spec_d, "layout": LayoutSpec(**spec_d["layout"])})
     import anyio
 
-    from .. import Endpoint, EndpointConfig
+    from .. import Endpoint, EndpointConfig, _internal
     from ..transports.nixl import NixlTransport
 
     if os.environ.get("XAVIER_ASYNC_CHILD_LOG"):  # e.g. "DEBUG": the child's log on stderr
@@ -222,7 +222,7 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
             from .faulty import FaultPlan, FaultyTransport
             transport = FaultyTransport(transport, FaultPlan(**spec.faults))
         ep = Endpoint(spec.rank, caches, transport, EndpointConfig(**spec.config))
-        ep._hello_extras.update(spec.hello_extras)
+        _internal.hello_extras(ep).update(spec.hello_extras)
         async with ep:
             for slot in range(published):
                 ep.publish(slot, slot)

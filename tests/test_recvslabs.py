@@ -1,5 +1,5 @@
-"""The fair pool (``SlabPool``/``Ticket``) and the receiver's receive slabs (``RecvSlabs``):
-lending, the head-of-line rule, fences, replacements and their releases, as pure logic.
+"""The receiver's receive slabs (:mod:`xavier_async.recvslabs`): pool, spares and fenced
+slabs, replacement indices, unpack tables, leases, as pure logic.
 
 A hypothesis state machine drives every operation in any order (borrow small or large,
 give back, fence, register a replacement that succeeds or fails, a late reply, a
@@ -11,7 +11,6 @@ borrower waits while a slab it may take is free.
 
 from __future__ import annotations
 
-import anyio
 import pytest
 import torch
 from hypothesis import settings
@@ -19,7 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from xavier_async.errors import InternalError, RegistrationError
-from xavier_async.slabs import RecvSlabs, Slab, SlabPool, Ticket, large_cap
+from xavier_async.fairpool import Ticket
+from xavier_async.recvslabs import RecvSlabs
+from xavier_async.slabs import Slab
 
 
 def _slab(index: int) -> Slab:
@@ -28,74 +29,6 @@ def _slab(index: int) -> Slab:
 
 def _recv(k: int) -> RecvSlabs[tuple[str, int]]:
     return RecvSlabs([_slab(i) for i in range(k)], lambda s: ("rows", s.index))
-
-
-# -- SlabPool --------------------------------------------------------------------------------
-
-def test_large_borrowers_leave_one_slab_for_small_ones():
-    pool = SlabPool(range(4))
-    got = [pool.try_acquire(True) for _ in range(4)]
-    assert got[:3] == [0, 1, 2] and got[3] is None       # the cap: all but one
-    assert pool.try_acquire(False) == 3                   # a small batch still gets one
-
-
-def test_a_fence_wakes_a_large_waiter_held_back_by_the_cap():
-    """Three large borrowers hold slabs 0-2, a fourth waits (slab 3 is kept for small
-    ones). The three are fenced (removed): the pool is one slab now, with no reservation,
-    and the waiter gets slab 3 at once."""
-    pool = SlabPool(range(4))
-    for _ in range(3):
-        pool.try_acquire(True)
-    waiter = pool.enqueue(True)
-    assert not waiter.granted and pool.cap == 3
-    pool.remove(0)
-    pool.remove(1)
-    assert not waiter.granted                             # two slabs: still one kept back
-    pool.remove(2)
-    assert waiter.granted and waiter.index == 3 and pool.cap == large_cap(1)
-    pool.check()
-
-
-def test_the_cap_follows_the_slabs_in_the_pool():
-    pool = SlabPool(range(4))
-    assert pool.cap == 3
-    for i in range(4):
-        assert pool.try_acquire(False) == i
-    pool.remove(0)
-    pool.remove(1)
-    assert pool.cap == 1 and pool.usable == 2
-
-
-def test_removing_a_slab_that_is_not_lent_is_an_internal_error():
-    pool = SlabPool(range(2))
-    with pytest.raises(InternalError):
-        pool.remove(0)
-    pool.add(5)
-    with pytest.raises(InternalError):
-        pool.add(5)
-
-
-@pytest.mark.anyio
-async def test_a_pool_that_gives_up_on_its_waiters_fails_their_take():
-    pool = SlabPool(range(1))
-    pool.try_acquire(False)
-    waiters = [pool.enqueue(False) for _ in range(2)]
-    outcomes: list[BaseException] = []
-
-    async def take(t: Ticket) -> None:
-        try:
-            await t.take()
-        except RegistrationError as exc:
-            outcomes.append(exc)
-
-    async with anyio.create_task_group() as tg:
-        for t in waiters:
-            tg.start_soon(take, t)
-        await anyio.sleep(0.01)
-        assert pool.fail_waiters(RegistrationError("no slab can come back")) == 2
-    assert len(outcomes) == 2 and pool.waiting == 0
-    pool.release(0)                                       # the pool itself is intact
-    assert pool.try_acquire(False) == 0
 
 
 # -- RecvSlabs -------------------------------------------------------------------------------

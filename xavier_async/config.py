@@ -1,0 +1,135 @@
+"""An endpoint's settings (:class:`EndpointConfig`) and what one load moved
+(:class:`LoadResult`): plain, validated values (pure: no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._checks import check_bool, check_int, check_number, check_size
+from .errors import InvalidRequestError
+from .policy import DEFAULT_STREAK
+from .retry import RetryPolicy
+from .sizes import DEFAULT_FULL_BYTES, SlabSizes
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """Tuning knobs, all validated at construction.
+
+    ``full_bytes``/``small_bytes``: the slab and its small prefix view (small defaults to
+    ``min(full, 256 KiB)``); both are also available as one validated value, ``sizes``.
+    ``streak``: consecutive small batches before the small view is used (1 = size-only
+    selection). ``trimmed``: copy only the payload rounded up to ``trim_align`` instead of
+    the whole chosen view. ``request_timeout``: how long a receiver waits for a batch it
+    requested (queueing at the source, packing and the copy) before declaring the source
+    lost; keep it above the transport's own copy timeout (NIXL: 30 s), so a source whose
+    copy stalls reports the failure itself first. ``stream_ordered_unpack``: on CUDA, let
+    :meth:`Endpoint.load` return once the unpack is enqueued on the caches' current stream
+    instead of waiting for it (saves a device synchronization per batch). ``verify``:
+    every batch this endpoint loads carries a digest of its payload, computed by the
+    source after packing (on the device for VRAM); the batch is checked before it is
+    unpacked, and a mismatch raises :class:`IntegrityError` instead of writing it (costs a
+    reduction over the payload on both ends).
+
+    ``receive_slabs`` (K) and ``send_slabs`` (S): the slab pools. Each slab is allocated
+    and registered once at start (S + K memory registrations, none after); each batch
+    borrows one receive slab for its round trip, each copy a source serves one send slab
+    until the copy is terminal, so up to K batches load and up to S copies are served at
+    once. Head-of-line rule: a batch whose payload exceeds the small view may hold at most
+    K - 1 receive slabs (and S - 1 send slabs) at once, so one of each is always left for
+    small batches, which never wait behind a whole large copy. With a pool of one slab
+    there is no reservation (K = S = 1 is the one-batch-at-a-time design). When every
+    slab is busy, a load waits (back-pressure, never an error).
+
+    ``map_eagerly``: when a peer joins, map every (send slab, view, peer's receive slab)
+    pair for it in the background (2 x S x K mappings per peer, made at once), so that no
+    copy ever waits for a mapping and registrations are flat from the first load on. Off
+    (the default), mappings are made on first use, at most 2 x S x K per peer, and only
+    those that traffic needs (one-at-a-time traffic needs two).
+
+    ``merge_loads``: batches from one source that wait for a receive slab are merged into
+    one request, one copy and one unpack (:mod:`xavier_async.merging`): small batches up
+    to the small view (the group stays small under the head-of-line rule), large ones up
+    to the full slab. Nothing merges while a slab is free, so an unloaded endpoint's loads
+    are unchanged; under load, a round trip serves every batch that waited for it. A
+    member cancelled before its group's request goes out takes nothing; after that it is
+    copied but not unpacked. A source that refuses a merged request (an unpublished key)
+    is asked again batch by batch, so only the loads naming the missing keys fail.
+
+    ``merge_small_bytes``: how large a group of waiting small batches may grow (default,
+    and minimum: the small view; at most the full slab). Above the small view a group
+    makes fewer, larger round trips, but it is a large batch everywhere after it forms:
+    the channel machine copies it through the full view (the whole slab unless
+    ``trimmed``, and a following small batch starts a new streak) and the source serves
+    it under the large batches' share of send slabs. It keeps its small place in the
+    receive-slab queue. When it pays and when it does not (measured): docs/concepts.md.
+
+    ``small_round_trips`` (opt in, needs ``merge_loads``): at most this many round trips
+    of small batches in flight to one source. A small batch that finds them all busy
+    waits in its source's forming group, which goes out when one of them ends (and a
+    receive slab is free), so loaded traffic makes fewer, fuller round trips while the
+    other slabs stay free for large batches. ``None`` (the default): no cap, a small batch
+    takes any free slab. A cancelled batch waiting for a round trip takes nothing. Why,
+    and what it measured: docs/concepts.md.
+    """
+
+    full_bytes: int = DEFAULT_FULL_BYTES
+    small_bytes: int | None = None
+    streak: int = DEFAULT_STREAK
+    trimmed: bool = False
+    trim_align: int = 256
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    request_timeout: float = 60.0
+    stream_ordered_unpack: bool = False
+    verify: bool = False
+    receive_slabs: int = 4
+    send_slabs: int = 4
+    map_eagerly: bool = False
+    merge_loads: bool = True
+    merge_small_bytes: int | None = None
+    small_round_trips: int | None = None
+    sizes: SlabSizes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sizes = SlabSizes.of(self.full_bytes, self.small_bytes)
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "full_bytes", sizes.full)
+        object.__setattr__(self, "small_bytes", sizes.small)
+        object.__setattr__(self, "streak", check_int("streak", self.streak, minimum=1))
+        object.__setattr__(self, "receive_slabs",
+                           check_int("receive_slabs", self.receive_slabs, minimum=1, maximum=1024))
+        object.__setattr__(self, "send_slabs",
+                           check_int("send_slabs", self.send_slabs, minimum=1, maximum=1024))
+        check_bool("trimmed", self.trimmed)
+        check_bool("stream_ordered_unpack", self.stream_ordered_unpack)
+        check_bool("verify", self.verify)
+        check_bool("map_eagerly", self.map_eagerly)
+        check_bool("merge_loads", self.merge_loads)
+        merge_small = sizes.small if self.merge_small_bytes is None else self.merge_small_bytes
+        object.__setattr__(self, "merge_small_bytes", check_int(
+            "merge_small_bytes", merge_small, minimum=sizes.small, maximum=sizes.full))
+        if self.small_round_trips is not None:
+            object.__setattr__(self, "small_round_trips", check_int(
+                "small_round_trips", self.small_round_trips, minimum=1, maximum=1024))
+            if not self.merge_loads:
+                raise InvalidRequestError("small_round_trips needs merge_loads (the batches that "
+                                          "wait for a round trip merge into the next one)")
+        check_size("trim_align", self.trim_align)
+        check_number("request_timeout", self.request_timeout, strictly_positive=True)
+        if not isinstance(self.retry, RetryPolicy):
+            raise InvalidRequestError("retry must be a RetryPolicy")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What one :meth:`Endpoint.load` moved: ``batches`` planned, ``blocks`` and
+    ``useful_bytes`` loaded, and ``wire_bytes`` copied for them (a batch merged with others
+    into one copy, ``merge_loads``, is charged its share of that copy, by payload)."""
+
+    batches: int
+    blocks: int
+    useful_bytes: int
+    wire_bytes: int
+
+
+__all__ = ["EndpointConfig", "LoadResult"]
