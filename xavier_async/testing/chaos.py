@@ -107,6 +107,9 @@ class ChaosConfig:
     cancel_within: float = 0.03
     #: faults land within this many seconds of a step's start
     fault_window: float = 0.4
+    #: at most this many faults (SIGKILL, SIGSTOP, SIGCONT) per ``loads`` step; 0: none
+    #: (a control run: cancellations and the close in flight only)
+    max_faults: int = 3
     #: a fraction of loads naming one unpublished key (refused: RemoteError)
     unpublished_rate: float = 0.03
     full_bytes: int = 32 * KiB
@@ -233,7 +236,7 @@ class ChaosSchedule:
                 steps.append(Step("reconnect"))
             else:
                 step = Step("loads", loads=_plan_loads(rng, cfg, ranks))
-                for at in sorted(rng.uniform(0, cfg.fault_window) for _ in range(rng.randint(0, 3))):
+                for at in sorted(rng.uniform(0, cfg.fault_window) for _ in range(rng.randint(0, cfg.max_faults))):
                     up = [r for r in ranks if state[r] == "up"]
                     stopped = [r for r in ranks if state[r] == "stopped"]
                     # one source stays up (its loads are the ones a fault must not corrupt)
