@@ -10,6 +10,10 @@ reproductions, each written to fail on the engine that had the defect.
 3. A large load waiting for the slab kept for small batches, while the other three were
    fenced, waited forever (and ``aclose()`` with it).
 
+And one the chaos test found (``tests/test_chaos.py``): a close that begins before a
+fence empties the pool leaves the loads waiting for a slab with none coming (no
+replacement is registered once closing, and nothing fails them), so close waits forever.
+
 Every successful load's bytes are checked, block by block; every call runs under a hang
 guard (``anyio.fail_after``), so a hang is a failure with a message, not a stuck run.
 """
@@ -420,3 +424,66 @@ async def test_finding3_a_large_load_waiting_behind_fenced_slabs_fails_and_close
     assert isinstance(fourth["result"], PeerLostError), summary
     assert held.failed == {"PeerLostError": 3}, summary
     assert after.ok == 4 and after.wrong == 0, summary
+
+
+async def test_close_while_a_fence_empties_the_pool_fails_or_serves_the_waiting_loads():
+    """Found by the chaos test (seeds 1009, 1041, 1062, 1091, 1112, 1128, 1155 of the long
+    run): one receive slab, held by a load from the frozen rank 1; loads from the healthy
+    rank 2 wait for it; the endpoint is closed, and only then does rank 1's request time
+    out and its slab get fenced. Close drains in-flight work, so the waiting loads must
+    end (served from a replacement, or failed with a typed error), and aclose() must
+    return; not wait for a slab nobody will register."""
+    specs = [PeerSpec(rank=1, layout=SPEC, seed=SEED, config=NCFG, torch_threads=1),
+             PeerSpec(rank=2, layout=SPEC, seed=SEED, config=NCFG, torch_threads=1)]
+    expected = {r: pattern_caches(SPEC, r, SEED) for r in (1, 2)}
+    rng = random.Random(4)
+    held, waiting = Outcome(), Outcome()
+    closed: dict[str, float] = {}
+    problems: list[str] = []
+    procs = _start(specs)
+    p1, _ = procs
+    try:
+        ep = Endpoint(0, zero_caches(LOADER), NixlTransport(),
+                      EndpointConfig(**NCFG, request_timeout=TIMEOUT, receive_slabs=1))
+        async with ep:
+            for p in procs:
+                with anyio.fail_after(GUARD):
+                    await ep.connect(p.address)
+            for src in (1, 2):   # both sources served once: connected and warm
+                await _checked_load(ep, _request(rng, src, 16 * src, False), expected, held)
+            assert held.ok == 2, held
+            held = Outcome()
+            os.kill(p1.proc.pid, signal.SIGSTOP)
+            scopes = [anyio.CancelScope() for _ in range(3)]
+
+            async def wait_for_the_slab(i: int) -> None:
+                with scopes[i]:
+                    await _checked_load(ep, _request(rng, 2, 512 + 16 * i, i == 2), expected, waiting)
+
+            async def close() -> None:
+                t = time.monotonic()
+                await ep.aclose()
+                closed["seconds"] = time.monotonic() - t
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_checked_load, ep, _request(rng, 1, 256, False), expected, held)
+                await _wait_for(ep, "in_use", 1, "rank 1's load holding the slab")
+                for i in range(3):
+                    tg.start_soon(wait_for_the_slab, i)
+                await _wait_for(ep, "waiting", 1, "rank 2's loads waiting for the slab")
+                tg.start_soon(close)          # before rank 1's request times out
+                with anyio.move_on_after(CLOSE_GUARD):
+                    while "seconds" not in closed:
+                        await anyio.sleep(0.05)
+                if "seconds" not in closed:
+                    problems.append(f"aclose() did not return within {CLOSE_GUARD:.0f} s "
+                                    f"(request_timeout {TIMEOUT} s); slabs {ep.recv_slab_stats}")
+                    for scope in scopes:      # unblock it: the waiting loads are cancelled
+                        scope.cancel()
+    finally:
+        _stop(procs)
+    summary = f"rank 1's load {held}; rank 2's waiting loads {waiting}; close {closed}"
+    assert not problems, "; ".join(problems) + f" ({summary})"
+    assert held.ok + sum(held.failed.values()) == 1 and not held.wrong, summary
+    assert waiting.ok + sum(waiting.failed.values()) == 3, summary   # every one ended
+    assert not waiting.wrong and not waiting.untyped + held.untyped, summary
