@@ -7,7 +7,10 @@ imported by the engine.
   with caches filled from a seed (:func:`pattern_caches`) so either side can check the
   bytes it loaded (:func:`check_loaded`);
 * :class:`HostProfile`: where an event loop's host time goes, per callback and per engine
-  function (asyncio; what ``xavier-async bench --serving-host-profile`` reports).
+  function (asyncio; what ``xavier-async bench --serving-host-profile`` reports);
+* :mod:`xavier_async.testing.chaos`: seeded chaos schedules over real NIXL processes
+  (``run_schedule(seed)``), with the slab invariants of
+  :func:`xavier_async.testing.invariants.check_slab_invariants`.
 """
 
 from .faulty import FaultPlan, FaultyTransport

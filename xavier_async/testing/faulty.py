@@ -43,6 +43,10 @@ class FaultPlan:
     #: a stalled write whose connection ended meanwhile still lands, like a one-sided
     #: NIXL WRITE the receiver cannot revoke (needs a LocalTransport inside)
     late_writes_land: bool = False
+    #: every slab registered after start (``add_send_slab``, ``add_recv_slab``: a
+    #: fenced slab's replacement) takes this many seconds first, like a real memory
+    #: registration, so that concurrent registrations overlap
+    register_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         check_int("seed", self.seed)
@@ -178,9 +182,13 @@ class FaultyTransport(Transport):
         await self.inner.start(host, send, recv, tg)
 
     async def add_send_slab(self, slab: Slab) -> None:
+        if self.plan.register_seconds:
+            await anyio.sleep(self.plan.register_seconds)
         await self.inner.add_send_slab(slab)
 
     async def add_recv_slab(self, slab: Slab) -> None:
+        if self.plan.register_seconds:
+            await anyio.sleep(self.plan.register_seconds)
         await self.inner.add_recv_slab(slab)
 
     async def share_recv_slab(self, peer: int, slab: Slab) -> None:
