@@ -15,7 +15,8 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 from xavier_async.errors import InternalError, RegistrationError
 from xavier_async.fairpool import Ticket
@@ -201,5 +202,6 @@ class RecvSlabsMachine(RuleBasedStateMachine):
             assert not t.granted
 
 
-TestRecvSlabsMachine = RecvSlabsMachine.TestCase
-TestRecvSlabsMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+def test_receive_slabs_under_every_interleaving():
+    run_state_machine_as_test(RecvSlabsMachine, settings=settings(
+        max_examples=300, stateful_step_count=40, deadline=None))

@@ -1,8 +1,10 @@
 """The receive-slab invariants of an idle :class:`~xavier_async.Endpoint`, in one place.
 
 :func:`check_slab_invariants` is what the chaos test (:mod:`xavier_async.testing.chaos`)
-checks after every step; it is the only code in the test support that reads the engine's
-private slab bookkeeping, so that a restructured engine re-points this one function.
+checks after every step: the engine's own :meth:`~xavier_async.Endpoint.check_invariants`
+plus the buffers behind each slab index; it is the only code in the test support that
+reads the engine's private slab state, so that a restructured engine re-points this one
+function.
 
 Checked, once every load has settled:
 
@@ -45,37 +47,22 @@ def check_slab_invariants(ep: Any, *, idle: bool = True) -> list[str]:
         problems.append(f"the transport counted {regs} memory registrations, the endpoint has "
                         f"{stats['send_slabs']} send + {stats['registered']} receive slabs")
 
-    # -- the private bookkeeping: who owns each slab index -------------------------------
-    recv = getattr(ep, "_recv", None)
-    pool = getattr(recv, "pool", None)
-    if recv is None or pool is None or not hasattr(pool, "_free") or not hasattr(pool, "_held"):
-        problems.append("check_slab_invariants cannot read the endpoint's slab bookkeeping "
-                        "(Endpoint._recv.pool._free/_held): re-point it at the new internals")
+    # -- the engine's own checks: one place each, unpack tables, pool accounting --------
+    from ..errors import InternalError
+    try:
+        ep.check_invariants(idle=idle)
+    except InternalError as exc:
+        problems.append(str(exc))
+    # -- the buffers: unpack table and transport name the pooled slab, index by index ---
+    receiver = getattr(ep, "_receiver", None)
+    if receiver is None or not getattr(receiver, "started", False):
+        problems.append("check_slab_invariants cannot read the endpoint's receive slabs "
+                        "(Endpoint._receiver.slabs): re-point it at the new internals")
         return problems
+    recv = receiver.slabs
     slabs: dict[int, Any] = dict(recv.slabs)
-    places: dict[str, list[int]] = {"free": list(pool._free), "lent": list(pool._held),
-                                    "spare": list(recv.spares), "fenced": list(recv.fenced)}
-    seen: dict[int, str] = {}
-    for place, indices in places.items():
-        for index in indices:
-            if index in seen:
-                problems.append(f"receive slab {index} is both {seen[index]} and {place}")
-            seen[index] = place
-            if index not in slabs:
-                problems.append(f"receive slab {index} is {place} but not registered")
-    for index in slabs:
-        if index not in seen:
-            problems.append(f"receive slab {index} is registered but neither in the pool, a "
-                            "spare nor fenced (leaked)")
-    large = sum(1 for is_large in pool._held.values() if is_large)
-    if getattr(pool, "_large", large) != large:
-        problems.append(f"the pool counts {pool._large} large borrowers, {large} hold slabs")
-
-    rows: dict[int, Any] = dict(getattr(ep, "_recv_rows", {}))
-    if set(rows) != set(slabs):
-        problems.append(f"the unpack table has slabs {sorted(rows)}, the pool {sorted(slabs)}")
     for index, slab in slabs.items():
-        row = rows.get(index)
+        row = recv.rows.get(index)
         if row is not None and row.buf.data_ptr() != slab.tensor.data_ptr():
             problems.append(f"receive slab {index}: the loader unpacks from another buffer than "
                             "the slab in the pool")
@@ -103,7 +90,8 @@ async def wait_settled(ep: Any, timeout: float = 2.0, interval: float = 0.02) ->
     registration still under way finishes) and no registration is under way; ``False``
     if they still moved after ``timeout`` seconds."""
     def snapshot() -> tuple[Any, ...]:
-        recv = getattr(ep, "_recv", None)
+        receiver = getattr(ep, "_receiver", None)
+        recv = receiver.slabs if receiver is not None and receiver.started else None
         return (tuple(sorted(ep.recv_slab_stats.items())), ep.transport.memory_registrations,
                 getattr(recv, "registering", 0))
 
