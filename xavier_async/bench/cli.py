@@ -125,10 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def quiet_nixl(verbose: bool) -> None:
-    """NIXL logs INFO lines to stdout by default; the command line keeps them to warnings
-    unless ``-v``. Set for this process (NIXL's own logger) and, through the environment,
-    for the peer processes it starts. Library code never changes logging configuration."""
+    """NIXL's own logs for this process and the peer processes it starts (through the
+    environment). ``-v``: NIXL's INFO lines, as NIXL prints them (``NIXL_LOG_LEVEL=INFO``;
+    without it the library hands NIXL's logger to the application's logging, which the
+    command line does not configure). Otherwise warnings only, NIXL's and UCX's. A level
+    the user set in the environment wins either way."""
     if verbose:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "INFO")
         return
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
