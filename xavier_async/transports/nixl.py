@@ -39,11 +39,8 @@ import anyio
 from .._checks import check_int, check_number
 from ..errors import (EndpointClosedError, HandshakeError, InternalError, InvalidRequestError,
                       PeerLostError, TransferError, UnknownPeerError)
-from .addresses import check_host
-from .addresses import parse_address as parse_address
-from .admission import INSECURE_ENV as INSECURE_ENV
-from .admission import SECRET_ENV as SECRET_ENV
-from .admission import Admission, resolve_secret
+from .addresses import check_host, parse_address
+from .admission import INSECURE_ENV, SECRET_ENV, Admission, resolve_secret
 from .base import TaskSpawner, Transport
 from .handshake import FrameStream
 from .liveness import Liveness
@@ -53,6 +50,10 @@ from .peering import Peering
 if TYPE_CHECKING:
     from ..slabs import Slab, SlabView
     from .base import TransportHost
+
+# parse_address and the environment variables' names are importable from here, as before
+__all__ = ["INSECURE_ENV", "SECRET_ENV", "AgentFactory", "NixlAgent", "NixlTransport",
+           "nixl_agent_factory", "parse_address"]
 
 log = logging.getLogger("xavier_async.nixl")
 
