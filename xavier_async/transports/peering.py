@@ -176,6 +176,7 @@ class Peering:
             tasks.start_soon(self._accept_loop, listener)
 
     async def stop_listening(self) -> None:
+        """Close the listener (no new connections; those already made stay)."""
         if self.listener is not None:
             await self.listener.aclose()
 
@@ -188,6 +189,7 @@ class Peering:
 
     @property
     def tasks(self) -> TaskSpawner:
+        """Where handshakes and watches run: the endpoint's guarded task group."""
         if self._tasks is None:
             raise InternalError("the NIXL transport is used before start()")
         return self._tasks
