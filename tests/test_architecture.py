@@ -168,3 +168,35 @@ def test_every_background_task_of_the_engine_is_guarded():
                 if owner_name not in allowed:
                     bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} ({owner_name}.start_soon)")
     assert not bad, f"background tasks started outside the guard: {bad}"
+
+
+def test_the_engine_and_the_test_support_import_without_cycles():
+    """No module of the engine (core, shell, transports) or of the test support and demo
+    reaches itself through its imports (any import counts, lazy or for types); the
+    transports' modules included (``nixl`` wires ``peering``, ``admission``,
+    ``liveness``, none of which imports it back)."""
+    graph = {name: {t for m in imports_of(path) if (t := internal(m)) is not None and t != name}
+             for name, path in ALL if layer_of(name) != "bench"}
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, cycles
+    assert {"transports.peering", "transports.admission", "transports.liveness",
+            "transports.nixl_agent", "transports.addresses"} <= graph["transports.nixl"]

@@ -8,21 +8,26 @@ import random
 
 import anyio
 import pytest
+import torch
 
 pytest.importorskip("nixl")
 
 from xavier_async import Endpoint, EndpointConfig  # noqa: E402
 from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec,  # noqa: E402
                                                check_loaded, pattern_caches, zero_slots)
+from xavier_async.testing.devices import peer_device  # noqa: E402
 from xavier_async.transports.nixl import NixlTransport  # noqa: E402
 
 from .conftest import KiB  # noqa: E402
 
 K, S = 4, 4   # the default pools
 
-#: XAVIER_TEST_DEVICE=cuda: the loader on GPU 0, both sources on GPU 1 (as in test_nixl_process)
+#: XAVIER_TEST_DEVICE=cuda: the loader on GPU 0, both sources on GPU 1 (as in test_nixl_process;
+#: with one GPU all on it: testing.devices.peer_device)
 DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
-HERE, THERE = ("cuda:0", "cuda:1") if DEVICE == "cuda" else ("cpu", "cpu")
+if DEVICE == "cuda" and torch.cuda.device_count() < 1:
+    pytest.skip("XAVIER_TEST_DEVICE=cuda needs a GPU", allow_module_level=True)
+HERE, THERE = peer_device(0, DEVICE).device, peer_device(1, DEVICE).device
 SPEC = LayoutSpec(layers=2, num_slots=64, block_shape=(4, 64), dtype="bfloat16")  # 512 B blocks
 NCFG = dict(full_bytes=16 * KiB, small_bytes=1 * KiB)
 SEED = 13

@@ -59,7 +59,7 @@ async def test_failed_start_raises_the_real_error_and_leaves_the_task_healthy(ca
         t = bad.transport
         assert isinstance(t, NixlTransport)
         assert t._reg == [] and t._peers == {}                  # nothing registered
-        assert t._listener is None or t._bound is None or cause == "port in use"
+        assert t._peering.listener is None or t._peering.bound is None or cause == "port in use"
         assert bad.closed
         with pytest.raises(EndpointClosedError):
             await bad.__aenter__()                               # and it stays closed
@@ -86,7 +86,7 @@ async def test_failed_start_releases_the_listener_and_registrations():
             pass
     assert t._reg == [] and t._closed
     import anyio
-    host, port = t._bound
+    host, port = t._peering.bound
     with pytest.raises(OSError):                                 # nobody listens there
         await anyio.connect_tcp(host, port)
     # a local endpoint in the same task still opens and closes

@@ -16,6 +16,7 @@ pytest.importorskip("nixl")
 from xavier_async import (Endpoint, EndpointConfig, HandshakeError, LayoutMismatchError,  # noqa: E402
                           PeerLostError)
 from xavier_async.protocol import PROTOCOL_VERSION  # noqa: E402
+from xavier_async.testing.devices import peer_device  # noqa: E402
 from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec,  # noqa: E402
                                        all_bf16_patterns, check_loaded, pattern_caches,
                                        zero_caches, zero_slots)
@@ -24,13 +25,13 @@ from xavier_async.transports.nixl import NixlTransport  # noqa: E402
 pytestmark = pytest.mark.asyncio  # real NIXL processes: asyncio (pytest-asyncio)
 
 #: XAVIER_TEST_DEVICE=cuda runs the same tests VRAM to VRAM, one process per GPU (the parent
-#: on GPU 0, each child on GPU 1; every process sees both GPUs, as CUDA IPC needs); the
-#: default is DRAM.
+#: on GPU 0, each child on GPU 1; every process sees both GPUs, as CUDA IPC needs; with one
+#: GPU all of them on it: testing.devices.peer_device); the default is DRAM.
 DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
-if DEVICE == "cuda" and torch.cuda.device_count() < 2:
-    pytest.skip("XAVIER_TEST_DEVICE=cuda needs two GPUs", allow_module_level=True)
-HERE = "cuda:0" if DEVICE == "cuda" else "cpu"
-CHILD = dict(device="cuda:1" if DEVICE == "cuda" else "cpu")
+if DEVICE == "cuda" and torch.cuda.device_count() < 1:
+    pytest.skip("XAVIER_TEST_DEVICE=cuda needs a GPU", allow_module_level=True)
+HERE = peer_device(0, DEVICE).device
+CHILD = dict(device=peer_device(1, DEVICE).device)
 
 SPEC = LayoutSpec(layers=3, num_slots=48, block_shape=(2, 16, 8, 64), dtype="bfloat16")  # 32 KiB blocks
 FULL, SMALL = 1 << 20, 64 << 10

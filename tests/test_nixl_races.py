@@ -40,7 +40,7 @@ async def _load_checked(ep: Endpoint, req: dict) -> None:
 
 def _one_connection(t: NixlTransport, peer: int, other_local: tuple) -> None:
     p = t._peers[peer]
-    assert list(t._peers) == [peer] and not p.lost and t._claims == {}
+    assert list(t._peers) == [peer] and not p.lost and t._peering.claims == {}
     assert p.fs.stream.extra(anyio.abc.SocketAttribute.remote_address) == other_local
 
 
@@ -91,7 +91,7 @@ async def test_simultaneous_connects_across_processes():
                     tg.start_soon(parent_dials)
                 assert got == {"child": 0, "parent": 1}, rep
                 assert ep.peers == (1,) and await anyio.to_thread.run_sync(child.call, "peers") == [0]
-                assert list(t._peers) == [1] and t._claims == {}
+                assert list(t._peers) == [1] and t._peering.claims == {}
                 await _load_checked(ep, _req(1, [1, 2]))
                 _, checked = await anyio.to_thread.run_sync(child.call, "load", (_req(0, [3, 4]), SEED))
                 assert checked == 2 * SPEC.layers

@@ -195,7 +195,7 @@ async def test_a_silent_connection_is_dropped_after_the_first_frame_deadline():
     async with nodes(1, first_frame_timeout=0.1, handshake_timeout=600) as (b,):
         got = frames(await raw_exchange(b.t.address, [], timeout=60))
         assert len(got) == 1 and "no handshake frame within" in got[0]["error"]
-        assert b.t._unauthenticated == 0
+        assert b.t._admission.pending == 0
 
 
 SECRET = "s3cret-" + "x" * 16
@@ -231,7 +231,7 @@ def test_listening_beyond_loopback_needs_a_secret_or_insecure(monkeypatch):
     NixlTransport("0.0.0.0")
     monkeypatch.setenv("XAVIER_ASYNC_INSECURE", "0")
     monkeypatch.setenv("XAVIER_ASYNC_SECRET", SECRET)
-    assert NixlTransport("0.0.0.0")._secret == SECRET.encode()
+    assert NixlTransport("0.0.0.0")._peering.secret == SECRET.encode()
     with pytest.raises(InvalidRequestError, match="at least 16"):
         NixlTransport(secret="short")
 
@@ -242,7 +242,7 @@ async def test_a_rank_lost_without_a_clean_close_is_reserved_for_its_agent():
         await a.t.connect(b.t.address)
         old_agent = b.t.agent_name
         # rank 1's connection times out (a partition): not a confirmed death
-        a.t._peer_gone(a.t._peers[1], confirmed=False)
+        a.t._liveness.peer_gone(a.t._peers[1], confirmed=False)
         await a.t.disconnect(1)
         await b.t.disconnect(0)
         async with nodes(1, fabric) as (imposter,):
@@ -252,7 +252,7 @@ async def test_a_rank_lost_without_a_clean_close_is_reserved_for_its_agent():
             assert list(a.t._peers) == [] and imposter.t.agent_name not in a.agent.added
         # the old agent itself may come back
         assert (await b.t.connect(a.t.address))[0] == 0
-        assert a.t._peers[1].agent == old_agent and 1 not in a.t._gone
+        assert a.t._peers[1].agent == old_agent and 1 not in a.t._liveness.gone
 
 
 async def test_a_connected_rank_cannot_be_claimed_by_another_agent():
@@ -274,7 +274,7 @@ def one_connection(a: Node, b: Node) -> None:
     sb = pb.fs.stream.extra(anyio.abc.SocketAttribute.remote_address)
     assert sa == sb and not pa.lost and not pb.lost
     assert list(a.t._peers) == [b.host.rank] and list(b.t._peers) == [a.host.rank]
-    assert a.t._claims == {} and b.t._claims == {}
+    assert a.t._peering.claims == {} and b.t._peering.claims == {}
 
 
 async def copy_checked(src: Node, dst: Node, seed: int) -> None:

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--transport", choices=("nixl", "local"), default="nixl",
                    help="nixl: peer in a child process over real NIXL (default); local: in-process")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA when two GPUs are visible (one process per GPU), else DRAM")
+                   help="auto: CUDA when two GPUs are visible (one process per GPU), else DRAM; "
+                        "cuda on one GPU runs both processes on it (time-sliced: the output "
+                        "says its figures are not the two-GPU ones)")
     b.add_argument("--full", type=_size, default=12 * MiB, help="full slab size (default 12MiB)")
     b.add_argument("--small", type=_size, default=256 * KiB, help="small view size (default 256KiB)")
     b.add_argument("--copies", type=_positive, default=400, help="copies per channel case")
@@ -125,10 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def quiet_nixl(verbose: bool) -> None:
-    """NIXL logs INFO lines to stdout by default; the command line keeps them to warnings
-    unless ``-v``. Set for this process (NIXL's own logger) and, through the environment,
-    for the peer processes it starts. Library code never changes logging configuration."""
+    """NIXL's own logs for this process and the peer processes it starts (through the
+    environment). ``-v``: NIXL's INFO lines, as NIXL prints them (``NIXL_LOG_LEVEL=INFO``;
+    without it the library hands NIXL's logger to the application's logging, which the
+    command line does not configure). Otherwise warnings only, NIXL's and UCX's. A level
+    the user set in the environment wins either way."""
     if verbose:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "INFO")
         return
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
@@ -400,11 +405,16 @@ def _compare_rows(sc: dict[str, Any], xo: dict[str, Any]) -> tuple[str, list[lis
     return (title, rows, ["case", "path", "median us", "p95 us", "mean us", "vs floor", "regs after warm-up",
                           "wire/useful", "xoscar/xavier", "bytes ok"])
 
-def print_report(r: dict[str, Any], console: Any = None) -> None:
-    env = r["environment"]
+def report_head(env: dict[str, Any]) -> str:
+    """The report's first line (what ran where), and its note when there is one (one GPU
+    time-slicing both processes)."""
     head = (f"xavier-async {env['xavier_async']} | transport {env['transport']} | device {env['device']}"
             f" | torch {env['torch']} | nixl {env.get('nixl', '-')} | {env['cpus']} cpus")
-    print_tables(head, _rows(r), console)
+    return head + (f"\nnote: {env['note']}" if env.get("note") else "")
+
+
+def print_report(r: dict[str, Any], console: Any = None) -> None:
+    print_tables(report_head(r["environment"]), _rows(r), console)
 
 
 def print_tables(head: str, tables: list[tuple[str, list[list[str]], list[str]]], console: Any = None,

@@ -17,7 +17,8 @@ exactly where the packed slab puts it, so one check covers them: the peer's slab
 before each path, equals the blocks read straight from the caches (``torch.cat``,
 independent of the packing code) after it; the direct path is checked the same way on
 the peer's zeroed slots. Device-generic: on CUDA the caches are on ``cuda:0`` and the
-peer's memory on ``cuda:1`` (VRAM, CUDA IPC through UCX); on the CPU both are DRAM.
+peer's memory on ``cuda:1`` (VRAM, CUDA IPC through UCX; ``cuda:0`` too with one GPU:
+:func:`~xavier_async.testing.devices.peer_device`); on the CPU both are DRAM.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from ..layout import CacheLayout
 from ..packing import CacheTable, DeviceRuns, SlabRows, byte_rows, pack, pack_table, unpack
 from ..planning import PlannedBatch, Planner
+from ..testing.devices import gpu_facts, peer_device
 from ..testing.peer_process import LayoutSpec, digest, pattern_caches
 from .suite import bench_layout, stats
 
@@ -435,10 +437,7 @@ def run_descriptors(full_bytes: int = 12 << 20, device: str = "auto", iters: int
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if quick:
         iters, warmup = min(iters, 20), min(warmup, 3)
-    here, there = "cpu", "cpu"
-    if device == "cuda":
-        here = "cuda:0"
-        there = "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"
+    here, there = peer_device(0, device).device, peer_device(1, device).device
     layout = bench_layout(full_bytes)
     peer = _Peer(full_bytes, there, layout)
     try:
@@ -450,7 +449,8 @@ def run_descriptors(full_bytes: int = 12 << 20, device: str = "auto", iters: int
                 big = shape.blocks * layout.block_nbytes >= (1 << 20)
                 rows.append(measure_shape(src, shape, max(8, iters // 2) if big else iters, warmup))
             out: dict[str, Any] = {
-                "device": device, "memory": src.mem, "block_bytes": layout.block_nbytes,
+                "device": device, "memory": src.mem, **gpu_facts(device),
+                "block_bytes": layout.block_nbytes,
                 "layers": layout.layers, "num_slots": layout.num_slots,
                 "cache_registrations": src.cache_registrations,
                 "cache_regions_registered": len(src.rows),

@@ -56,6 +56,7 @@ import torch
 
 from ..endpoint import Endpoint, EndpointConfig
 from ..stages import LoadStages
+from ..testing.devices import peer_device
 from ..testing.hostprof import ENV as HOST_PROFILE_ENV
 from ..testing.hostprof import HostProfile
 from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requests, pattern_caches, \
@@ -338,12 +339,12 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
     layout = replace(src_layout, num_slots=dest_base + dest)
     profile = HostProfile() if o.serving_host_profile else None
     specs = [PeerSpec(rank=r, layout=layout if duplex else src_layout, seed=o.seed,
-                      device="cuda:1" if cuda else "cpu", config=config_kwargs(k, merge, **base),
+                      device=peer_device(1, device).device, config=config_kwargs(k, merge, **base),
                       env={HOST_PROFILE_ENV: "1"} if profile is not None else None,
                       hello_extras={RAW_COPIES: True}, torch_threads=None if cuda else 1,
                       published=published if duplex else None) for r in ranks]
     expected = {r: pattern_caches(src_layout, r, o.seed) for r in ranks}
-    here = "cuda:0" if cuda else "cpu"
+    here = peer_device(0, device).device
     caches = split_caches(layout, published, 0, o.seed, here) if duplex else zero_caches(layout, here)
     from ..transports.nixl import NixlTransport
     # (the profile is installed before this process's NIXL agent is made: its calls count)

@@ -47,6 +47,7 @@ from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_load
     zero_slots
 from ..policy import ChannelPolicy
 from ..slabs import KiB, MiB
+from ..testing.devices import gpu_facts, peer_device
 from ..transports.local import LocalFabric
 from .raw import RAW_COPIES, accept_raw_copies, copy_raw, raw_floor, tune_channel
 
@@ -149,7 +150,8 @@ class BenchOptions:
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
-        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+        # CUDA only on a GPU pair: one GPU would time-slice the two processes
+        return "cuda" if torch.cuda.is_available() and not peer_device(1, "cuda").shared else "cpu"
 
 
 def nearest_rank(ordered: Sequence[float], q: float) -> float:
@@ -656,6 +658,8 @@ def environment(rig: Rig, device: str) -> dict[str, Any]:
     }
     if device == "cuda":
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    # one GPU for both processes (--device cuda on a one-GPU machine) is said here
+    env.update(gpu_facts(device))
     return env
 
 
@@ -664,13 +668,12 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
     device = o.resolved_device()
     layout = bench_layout(o.full_bytes)
     cfg: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes)
-    here = "cuda:0" if device == "cuda" else "cpu"
+    here, there = peer_device(0, device).device, peer_device(1, device).device
     caches = pattern_caches(layout, 0, o.seed, here)
     if o.transport == "local":
         fabric = LocalFabric()
-        peer_dev = "cuda:1" if device == "cuda" else "cpu"
         here_ep = Endpoint(0, caches, fabric.transport(), EndpointConfig(**cfg))
-        peer_ep = Endpoint(PEER, pattern_caches(layout, PEER, o.seed, peer_dev), fabric.transport(),
+        peer_ep = Endpoint(PEER, pattern_caches(layout, PEER, o.seed, there), fabric.transport(),
                            EndpointConfig(**cfg))
         accept_raw_copies(peer_ep)
         async with here_ep as ep, peer_ep as peer:
@@ -680,10 +683,11 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
             _fill_send_slab(ep, o.seed)
             return await body(LocalRig(ep, peer, layout))
     from ..transports.nixl import NixlTransport
-    # one process per GPU, each seeing both (CUDA IPC between them needs that); both poll,
-    # so on a machine large enough each gets its own physical core (no SMT sibling)
+    # one process per GPU, each seeing both (CUDA IPC between them needs that; one GPU: both
+    # on it, see peer_device); both poll, so on a machine large enough each gets its own
+    # physical core (no SMT sibling)
     cpus = pick_cpus(2) if o.resolved_pin() else None
-    spec = PeerSpec(rank=PEER, layout=layout, seed=o.seed, device="cuda:1" if device == "cuda" else "cpu",
+    spec = PeerSpec(rank=PEER, layout=layout, seed=o.seed, device=there,
                     config=cfg, hello_extras={RAW_COPIES: True},
                     torch_threads=1 if device == "cpu" else None,
                     cpus=[cpus[1]] if cpus else None)

@@ -8,8 +8,9 @@ bytes move as one NIXL WRITE on a transfer handle created for that copy). The se
 actor owns the source buffer, the receiver actor the destination buffer; each is one
 persistent allocation (``full_bytes``) plus a persistent prefix view of it
 (``small_bytes``), the seed's "padded views", each with a stable identity (and one
-``buffer_ref`` per destination view). Memory is DRAM, or CUDA (cuda:0 -> cuda:1) when the
-bench runs on CUDA. The cases:
+``buffer_ref`` per destination view). Memory is DRAM, or CUDA (cuda:0 -> cuda:1; both on
+cuda:0 with one GPU: :func:`~xavier_async.testing.devices.peer_device`) when the bench
+runs on CUDA. The cases:
 
 * ``always_full``: full payloads through the full view;
 * ``alternating_size_only``: full, small, full, ... with the small view whenever the
@@ -90,13 +91,15 @@ def run_cases_sync(options: Any, floors: Mapping[str, Mapping[str, float]],
     F, S = options.full_bytes, options.small_bytes
     base = {"full_bytes": F, "small_bytes": S, "copies": options.copies, "warmup": options.warmup,
             "seed": options.seed, "host": "127.0.0.1"}
+    from ..testing.devices import peer_device
     cuda = device == "cuda"
-    recv = _child("receiver", {**base, "device": "cuda:1" if cuda else "cpu",
+    (send_dev, _), (recv_dev, shared) = peer_device(0, device), peer_device(1, device)
+    recv = _child("receiver", {**base, "device": recv_dev,
                                "cpus": [cpus[1]] if cpus else None})
     send: ChildProcess | None = None
     try:
         address = recv.reply(120)
-        send = _child("sender", {**base, "device": "cuda:0" if cuda else "cpu",
+        send = _child("sender", {**base, "device": send_dev,
                                  "cpus": [cpus[0]] if cpus else None})
         send.reply(120)
         send.send(address)
@@ -124,7 +127,8 @@ def run_cases_sync(options: Any, floors: Mapping[str, Mapping[str, float]],
     total_copies = sum(cases[c]["copies"] for c in CASES)
     all_nixl = all(cases[c]["nixl_writes"] == cases[c]["copies"] for c in CASES)
     ver = versions()
-    mem = "VRAM, cuda:0 -> cuda:1" if cuda else "DRAM"
+    mem = (f"VRAM, {send_dev} -> {recv_dev}{' (one GPU, time-sliced)' if shared else ''}" if cuda
+           else "DRAM")
     label = (f"xoscar {ver['xoscar']} copy_to over NIXL {ver['nixl']} (UCX WRITE, {mem}; control "
              f"messages on xoscar's actor socket)" if all_nixl else
              f"xoscar {ver['xoscar']} copy_to (NOT all copies went through NIXL: "

@@ -146,12 +146,13 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     shape = shape_of(args)
     cold, warm = make_workload(args, shape.vocab)
     salt = f"qwen2-random-seed{args.seed}-{shape}".encode()
-    cuda = args.device == "cuda"
+    from ..testing.devices import gpu_facts, peer_device
+    dev_a, dev_b = peer_device(0, args.device).device, peer_device(1, args.device).device
     common = dict(shape=asdict(shape), seed=args.seed, threads=args.threads,
                   chunk_tokens=args.prefill_chunk, trimmed=args.trimmed)
-    specs = [dict(common, rank=A, device="cuda:0" if cuda else "cpu",
+    specs = [dict(common, rank=A, device=dev_a,
                   num_slots=args.cold * args.prefix_blocks + 4),
-             dict(common, rank=B, device="cuda:1" if cuda else "cpu",
+             dict(common, rank=B, device=dev_b,
                   num_slots=min(args.concurrency, args.warm) * (args.prefix_blocks + 1) + 4)]
     replicas: list[ReplicaProcess] = []
     killed = False
@@ -206,7 +207,10 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for r in replicas:
             r.close()
-    return summarize(args, shape, cold_res, ref, loaded, again, metrics_a, metrics_b, killed)
+    res = summarize(args, shape, cold_res, ref, loaded, again, metrics_a, metrics_b, killed)
+    # one GPU for both replicas (their timings are not the two-GPU ones) is said here
+    res.update(devices={"A": dev_a, "B": dev_b}, **gpu_facts(args.device))
+    return res
 
 
 def summarize(args: argparse.Namespace, shape: ModelShape, cold_res: dict[str, Any], ref: dict[str, Any],
@@ -320,6 +324,8 @@ def table(res: dict[str, Any]) -> str:
               f"logits bit-equal: {res['logits_bit_equal']}; max |logit diff| "
               f"{res['max_abs_logit_diff']:.3g}; loaded blocks' KV bytes equal: {res['kv_bytes_equal']}",
               "OK" if res["ok"] else "FAILED: " + "; ".join(res["problems"][:5])]
+    if res.get("note"):
+        lines.append(f"note: {res['note']}")
     return "\n".join(lines)
 
 
@@ -352,7 +358,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("demo")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: small float32 model, both replicas on the CPU; cuda: the "
-                        "Qwen2.5-0.5B shape in BF16, replica A on cuda:0, B on cuda:1")
+                        "Qwen2.5-0.5B shape in BF16, replica A on cuda:0, B on cuda:1 (both on "
+                        "cuda:0 with one GPU, time-sliced)")
     g.add_argument("--cold", type=_positive, help="cold prompts on replica A")
     g.add_argument("--warm", type=_positive, help="warm requests on replica B")
     g.add_argument("--prefix-blocks", type=_positive, help="16-token blocks each warm request shares")
@@ -406,9 +413,11 @@ def run(args: argparse.Namespace) -> int:
         print("xavier-async demo needs transformers: pip install 'xavier-async[demo]'", file=sys.stderr)
         return 2
     if args.device == "cuda":
-        import torch
-        if torch.cuda.device_count() < 2:
-            print("--device cuda needs two GPUs (one replica per GPU)", file=sys.stderr)
+        from ..testing.devices import peer_device
+        try:
+            peer_device(1, "cuda")  # one replica per GPU; both on the one GPU there is
+        except RuntimeError as exc:
+            print(f"--device cuda: {exc}", file=sys.stderr)
             return 2
     try:
         res = run_demo(args)

@@ -10,7 +10,10 @@
   small handshake there (protocol version, rank, layout, slab sizes, NIXL agent metadata,
   receive-slab address) and both ends add each other's agent. The TCP stream then stays
   open as a liveness signal: when a peer process dies its stream closes and everything
-  waiting on it fails at once with :class:`PeerLostError`.
+  waiting on it fails at once with :class:`PeerLostError`. The TCP side lives next to
+  this module: ``peering`` (listen, dial, accept, the connect race), ``handshake`` (the
+  frames), ``admission`` (the secret and the pre-authentication slots), ``liveness``
+  (watching each peer's stream), ``addresses``; ``nixl_agent`` is NIXL's API as used here.
 * Hot path: control messages are NIXL notifications (``send_notif``) and a WRITE carries
   its "landed" notification, both polled by one task of ours (NIXL's progress thread is
   off: with it on, a notification round trip took 16 ms here instead of 15 us). Polling
@@ -23,165 +26,39 @@ per process per GPU.
 from __future__ import annotations
 
 import base64
-import errno
-import ipaddress
 import json
 import logging
 import os
-import random
-import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
-from anyio.abc import SocketStream
 
-from .._checks import check_bool, check_int, check_number, env_flag
+from .._checks import check_int, check_number
 from ..errors import (EndpointClosedError, HandshakeError, InternalError, InvalidRequestError,
-                      ListenError, PeerLostError, TransferError, UnknownPeerError, XavierError)
+                      PeerLostError, TransferError, UnknownPeerError)
+from .addresses import check_host, parse_address
+from .admission import INSECURE_ENV, SECRET_ENV, Admission, resolve_secret
 from .base import TaskSpawner, Transport
-from .handshake import BUSY, FrameStream, PeerYielded, busy, exchange, refusal
+from .handshake import FrameStream
+from .liveness import Liveness
+from .nixl_agent import AgentFactory, NixlAgent, nixl_agent_factory, nixl_version
+from .peering import Peering
 
 if TYPE_CHECKING:
     from ..slabs import Slab, SlabView
     from .base import TransportHost
 
+# parse_address and the environment variables' names are importable from here, as before
+__all__ = ["INSECURE_ENV", "SECRET_ENV", "AgentFactory", "NixlAgent", "NixlTransport",
+           "nixl_agent_factory", "parse_address"]
+
 log = logging.getLogger("xavier_async.nixl")
 
 #: prefix of the transport's own notifications (new receive slabs and their acks)
 _XT = b"XT:"
-
-#: environment variables: the shared secret, and "1" to listen beyond loopback without one
-SECRET_ENV = "XAVIER_ASYNC_SECRET"
-INSECURE_ENV = "XAVIER_ASYNC_INSECURE"
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether ``host`` (a listen address) is reachable from this machine only."""
-    import ipaddress
-    import socket
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-
-def _check_host(name: str, host: object) -> str:
-    """A host name or IP address to listen on or advertise: a non-empty string without
-    spaces or control characters (an IPv6 address may be bracketed)."""
-    if not isinstance(host, str) or not host.strip("[]"):
-        raise InvalidRequestError(f"{name} must be a non-empty host name or IP address string "
-                                  f"such as '127.0.0.1', got {host!r}")
-    if any(c.isspace() or not c.isprintable() for c in host):
-        raise InvalidRequestError(f"{name} must be a host name or IP address, got {host!r} "
-                                  "(it contains spaces or control characters)")
-    return host
-
-
-def _keepalive(stream: SocketStream, idle: int = 5, interval: int = 2, count: int = 3) -> None:
-    """TCP keepalive on a peer's stream: a host that vanishes without closing its socket
-    (power loss, partition) is noticed in about idle + interval * count seconds."""
-    import socket
-    try:
-        sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for opt, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
-            if hasattr(socket, opt):
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
-    except (OSError, anyio.TypedAttributeLookupError):
-        log.debug("could not enable TCP keepalive", exc_info=True)
-
-
-def _remote_host(stream: SocketStream) -> str:
-    """The peer's IP address (what the per-host pre-authentication cap counts by)."""
-    try:
-        addr = stream.extra(anyio.abc.SocketAttribute.remote_address)
-        return str(addr[0]) if isinstance(addr, tuple) else str(addr)
-    except (anyio.TypedAttributeLookupError, ValueError, TypeError, IndexError):
-        return "?"
-
-
-def _remote(stream: SocketStream) -> str:
-    try:
-        addr = stream.extra(anyio.abc.SocketAttribute.remote_address)
-        return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-    except (anyio.TypedAttributeLookupError, ValueError, TypeError):
-        return "?"
-
-
-def parse_address(address: object) -> tuple[str, int]:
-    """``"host:port"`` (or ``"nixl://host:port"``; an IPv6 host in brackets,
-    ``"[::1]:7000"``) -> (host, port). The port is 1-65535 in ASCII digits, the host a
-    host name or an IP address; anything else is a :class:`HandshakeError` with
-    ``reason="address"``, raised before anything is dialled."""
-
-    def bad(why: str) -> HandshakeError:
-        return HandshakeError(f"bad peer address {address!r}: {why}; expected 'host:port' (an "
-                              "IPv6 host in brackets: '[::1]:7000')", reason="address")
-
-    if not isinstance(address, str):
-        raise bad("not a string")
-    host, sep, port = address.removeprefix("nixl://").rpartition(":")
-    if not sep or not host:
-        raise bad("no host")
-    if not (port.isascii() and port.isdigit()) or len(port) > 5 or not 0 < int(port) < 65536:
-        raise bad("the port must be a number from 1 to 65535")
-    if host.startswith("[") or host.endswith("]") or ":" in host:  # IPv6
-        if host.startswith("[") != host.endswith("]"):
-            raise bad("unbalanced brackets")
-        host = host[1:-1] if host.startswith("[") else host
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise bad("a host with ':' must be an IPv6 address") from None
-        return host, int(port)
-    if any(c.isspace() or not c.isprintable() for c in host):
-        raise bad("the host contains spaces or control characters")
-    try:
-        host.encode("idna")
-    except UnicodeError:
-        raise bad("not a valid host name") from None
-    return host, int(port)
-
-
-class NixlAgent(Protocol):
-    """The part of ``nixl._api.nixl_agent`` this transport uses (a fake one stands in for
-    it in unit tests: ``NixlTransport(agent_factory=...)``)."""
-
-    def get_reg_descs(self, descs: list[tuple[int, int, int, str]], mem_type: str) -> Any: ...
-    def register_memory(self, descs: Any) -> Any: ...
-    def deregister_memory(self, reg: Any) -> None: ...
-    def get_agent_metadata(self) -> bytes: ...
-    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
-    def remove_remote_agent(self, agent: str) -> None: ...
-    def get_xfer_descs(self, descs: list[tuple[int, int, int]], mem_type: str) -> Any: ...
-    def initialize_xfer(self, op: str, local: Any, remote: Any, agent: str) -> Any: ...
-    def transfer(self, handle: Any, notif: bytes = b"") -> str: ...
-    def check_xfer_state(self, handle: Any) -> str: ...
-    def release_xfer_handle(self, handle: Any) -> None: ...
-    def send_notif(self, agent: str, msg: bytes) -> None: ...
-    def get_new_notifs(self) -> dict[Any, list[bytes]]: ...
-
-
-#: builds the agent: (agent name, backends) -> agent
-AgentFactory = Callable[[str, "list[str]"], NixlAgent]
-
-
-def nixl_agent_factory(name: str, backends: list[str]) -> NixlAgent:
-    """The real NIXL agent, progress thread off (we poll)."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    agent: NixlAgent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=backends))
-    return agent
 
 
 class _Peer:
@@ -227,94 +104,6 @@ class _Pending:
         self.peer, self.handle, self.nbytes, self.deadline = peer, handle, nbytes, deadline
 
 
-class _Join:
-    """One handshake's state on our side (the :class:`handshake.Party`).
-
-    Connect races: while a handshake with rank ``r`` is under way it holds the claim on
-    ``r``; a second handshake with the same agent meets it. The lower-ranked end decides,
-    without waiting: its own connection wins over one the peer started that it has not
-    committed yet (that one is *superseded*); any other newcomer yields. The higher-ranked
-    end waits for the handshake in progress to end and then looks again. A handshake
-    that yields makes its ``connect`` wait for the surviving connection and return its
-    rank, so both ends end with exactly one connection.
-    """
-
-    def __init__(self, t: NixlTransport, fs: FrameStream, initiator: bool) -> None:
-        self.t, self.fs, self.initiator = t, fs, initiator
-        self.frame: dict[str, Any] = {}
-        self.peer: _Peer | None = None
-        self.rank: int | None = None
-        self.agent: str | None = None
-        self.superseded = False
-        self.committed = False
-        self.done = anyio.Event()
-        #: our receive slabs named in the hello we sent (the peer's agent learns them)
-        self.sent_slabs: set[int] = set()
-        #: the acceptor's pre-authentication slot: the remote host it is counted under,
-        #: until the peer's hello passed (or the handshake ended)
-        self.preauth: str | None = None
-
-    def release_preauth(self) -> None:
-        """Give back the pre-authentication slot (once)."""
-        who, self.preauth = self.preauth, None
-        if who is not None:
-            self.t._release_preauth(who)
-
-    def _yield(self, message: str, kind: str) -> PeerYielded:
-        return PeerYielded(message, kind, self.t._started_host.rank, self.t.agent_name)
-
-    def hello(self) -> dict[str, Any]:
-        frame = self.t._my_hello()
-        self.sent_slabs = {int(i) for i in frame["recv_slabs"]}
-        return frame
-
-    async def check_hello(self, frame: dict[str, Any]) -> None:
-        t = self.t
-        t._check(frame)
-        self.frame = frame
-        rank, agent = frame["hello"]["rank"], frame["agent"]
-        if type(rank) is not int or rank < 0 or not isinstance(agent, str):
-            raise HandshakeError(f"malformed handshake from peer (rank {rank!r}, agent {agent!r})")
-        self.rank, self.agent = rank, agent
-        me = t._started_host.rank
-        while True:
-            other = t._claims.get(rank)
-            if other is None:
-                p = t._peers.get(rank)
-                if p is not None and not p.lost:
-                    if p.agent == agent:
-                        raise self._yield(f"rank {rank} is already connected", "connected")
-                    raise HandshakeError(f"rank {rank} is connected to another agent ({p.agent}); "
-                                         "it cannot be claimed until that one is gone")
-                t._check_owner(rank, agent)
-                break
-            if other.agent != agent:
-                raise HandshakeError(f"rank {rank} is being claimed by another agent ({other.agent})")
-            if me < rank:  # we decide, at once
-                if self.initiator and not other.initiator and not other.committed:
-                    other.superseded = True
-                    break
-                raise self._yield(f"a connection with rank {rank} is already being set up",
-                                  "superseded")
-            await other.done.wait()  # the peer decides: see how that handshake ends
-        t._claims[rank] = self
-        self.release_preauth()  # authenticated and introduced: no longer a stranger
-
-    def commit(self) -> None:
-        if self.superseded or self.rank is None or self.t._claims.get(self.rank) is not self:
-            raise self._yield("superseded by the connection rank "
-                              f"{min(self.rank or 0, self.t._host.rank if self.t._host else 0)} started",
-                              "superseded")
-        self.peer = self.t._add_peer(self.frame, self.fs, self.sent_slabs)
-        self.committed = True
-
-    def finish(self) -> None:
-        if self.rank is not None and self.t._claims.get(self.rank) is self:
-            del self.t._claims[self.rank]
-        self.done.set()
-        self.t._notify()
-
-
 class NixlTransport(Transport):
     """Real transfers over NIXL (UCX underneath: shared memory / CUDA IPC / NVLink in a
     host, TCP or RDMA across hosts).
@@ -332,8 +121,8 @@ class NixlTransport(Transport):
     parsed strictly: ``1/true/yes/on`` or ``0/false/no/off``/empty).
 
     Limits before a peer is authenticated, so that silent or slow strangers cannot lock
-    real peers out: a connection must send its first handshake frame within
-    ``first_frame_timeout`` seconds and each later one, up to its hello, within
+    real peers out (:mod:`.admission`): a connection must send its first handshake frame
+    within ``first_frame_timeout`` seconds and each later one, up to its hello, within
     ``preauth_step_timeout`` (its slot is freed at once when a step is late). At most
     ``max_unauthenticated`` such handshakes are pending at once, and at most
     ``max_unauthenticated_per_host`` from one remote address; a connection beyond either
@@ -341,10 +130,17 @@ class NixlTransport(Transport):
     it until its own timeout. ``handshake_timeout`` bounds a whole handshake and is the
     default timeout of :meth:`connect`. ``rank_grace``: how long a rank lost without a
     clean close stays reserved for its agent. ``stall_check``: after a stall this long
-    (SIGSTOP, swap), the poll loop re-checks every peer's connection before serving.
+    (SIGSTOP, swap), the poll loop re-checks every peer's connection before serving
+    (:mod:`.liveness`).
 
     Every setting is validated here (:class:`InvalidRequestError` naming it): numbers are
     finite, timeouts > 0, hosts non-empty strings.
+
+    The transport is three parts around its NIXL agent: :class:`.peering.Peering`
+    (listening, dialling, the connect race), :class:`.admission.Admission` (the
+    pre-authentication slots) and :class:`.liveness.Liveness` (watching each peer's
+    stream); this class keeps the agent, the registrations, the peers' NIXL state, the
+    transfer handles, post/wait and the poller.
     """
 
     name = "nixl"
@@ -360,72 +156,37 @@ class NixlTransport(Transport):
                  preauth_step_timeout: float = 1.0, max_unauthenticated_per_host: int = 8) -> None:
         super().__init__()
         # every setting is checked before anything else happens (InvalidRequestError)
-        host = _check_host("host", host)
+        host = check_host("host", host)
         if advertise is not None:
-            advertise = _check_host("advertise", advertise)
+            advertise = check_host("advertise", advertise)
         port = check_int("port", port, minimum=0, maximum=65535)
         if isinstance(backends, str) or not isinstance(backends, (tuple, list)) or not backends \
                 or not all(isinstance(b, str) and b for b in backends):
             raise InvalidRequestError(f"backends must be a non-empty tuple of NIXL backend names "
                                       f"such as ('UCX',), got {backends!r}")
+        admission = Admission(first_frame_timeout=first_frame_timeout,
+                              step_timeout=preauth_step_timeout, max_total=max_unauthenticated,
+                              max_per_host=max_unauthenticated_per_host)
         # timeouts must be > 0 (0 would fail every handshake or copy); the others may be 0
-        first_frame_timeout = check_number("first_frame_timeout", first_frame_timeout,
-                                           strictly_positive=True)
-        preauth_step_timeout = check_number("preauth_step_timeout", preauth_step_timeout,
-                                            strictly_positive=True)
         handshake_timeout = check_number("handshake_timeout", handshake_timeout, strictly_positive=True)
-        write_timeout = check_number("write_timeout", write_timeout, strictly_positive=True)
-        idle_poll = check_number("idle_poll", idle_poll)
-        hot_window = check_number("hot_window", hot_window)
-        spin = check_number("spin", spin)
-        rank_grace = check_number("rank_grace", rank_grace)
-        stall_check = check_number("stall_check", stall_check)
-        trim_handles = check_int("trim_handles", trim_handles, minimum=1)
-        max_unauthenticated = check_int("max_unauthenticated", max_unauthenticated, minimum=1)
-        max_unauthenticated_per_host = check_int("max_unauthenticated_per_host",
-                                                 max_unauthenticated_per_host, minimum=1)
-        if insecure is None:
-            insecure = env_flag(INSECURE_ENV)
-        check_bool("insecure", insecure)
-        if secret is None:
-            secret = os.environ.get(SECRET_ENV) or None
-        if isinstance(secret, str):
-            secret = secret.encode()
-        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
-            raise InvalidRequestError(f"secret must be str or bytes of at least 16 bytes "
-                                      f"(got {type(secret).__name__} of {len(secret) if isinstance(secret, bytes) else '?'}); "
-                                      "for example: python -c 'import secrets; print(secrets.token_hex(32))'")
-        if secret is None and not insecure and not _is_loopback(host):
-            raise InvalidRequestError(
-                f"refusing to listen on {host!r} without a secret: anyone who can reach that port "
-                f"could read every published block and write into this endpoint's receive slab. "
-                f"Pass secret= (or set {SECRET_ENV}) on every endpoint, or insecure=True (or "
-                f"{INSECURE_ENV}=1) if the network is trusted")
-        self._secret: bytes | None = secret
-        self.insecure = insecure
-        self.first_frame_timeout, self.rank_grace = first_frame_timeout, rank_grace
-        self.preauth_step_timeout = preauth_step_timeout
-        self.max_unauthenticated = max_unauthenticated
-        self.max_unauthenticated_per_host = min(max_unauthenticated_per_host, max_unauthenticated)
-        #: handshakes accepted whose peer has not passed its hello yet, in all and by host
-        self._unauthenticated = 0
-        self._unauthenticated_by_host: dict[str, int] = {}
-        #: connections turned away at once ("busy" refusal) because max_unauthenticated
-        #: handshakes, or max_unauthenticated_per_host from that host, were pending
-        self.refused_connections = 0
-        #: ranks lost without a clean close: rank -> (agent, reserved until)
-        self._gone: dict[int, tuple[str, float]] = {}
-        self._listen_host, self._port = host, port
-        self._advertise = advertise
+        self.write_timeout = check_number("write_timeout", write_timeout, strictly_positive=True)
+        self.idle_poll = check_number("idle_poll", idle_poll)
+        self.hot_window = check_number("hot_window", hot_window)
+        self.spin = check_number("spin", spin)
+        self.trim_handles = check_int("trim_handles", trim_handles, minimum=1)
+        #: connected peers by rank, and by agent name
+        self._peers: dict[int, _Peer] = {}
+        self._by_agent: dict[str, int] = {}
+        self._liveness = Liveness(self._peers, self._peer_lost, lambda: self._closed,
+                                  rank_grace=rank_grace, stall_check=stall_check)
+        secret, self.insecure = resolve_secret(secret, insecure, host)
+        self._peering = Peering(self._peers, my_hello=self._my_hello, add=self._add_peer,
+                                drop=self._drop, admission=admission,
+                                liveness=self._liveness, secret=secret,
+                                handshake_timeout=handshake_timeout, listen_host=host, port=port,
+                                advertise=advertise)
+        self._admission = admission
         self._backends = list(backends)
-        self.idle_poll, self.hot_window = idle_poll, hot_window
-        self.write_timeout, self.handshake_timeout = write_timeout, handshake_timeout
-        self.trim_handles = trim_handles
-        self.spin = spin
-        #: a poll loop that finds itself this many seconds after its previous pass (the
-        #: process was stalled: SIGSTOP, swap, a long GC) re-checks every peer's control
-        #: stream before it serves anything; 0 turns the check off
-        self.stall_check = stall_check
         self.agent: NixlAgent | None = None
         self._agent_factory: AgentFactory = agent_factory or nixl_agent_factory
         self.agent_name = ""
@@ -449,21 +210,60 @@ class NixlTransport(Transport):
         self._former: OrderedDict[str, int] = OrderedDict()
         #: copies given up on (timed out while still posted): handle id -> (rank, handle)
         self._stuck: dict[int, tuple[int, Any]] = {}
-        #: stalls noticed by the poll loop (each followed by a liveness check)
-        self.stalls_seen = 0
-        self._peers: dict[int, _Peer] = {}
-        self._by_agent: dict[str, int] = {}
-        #: handshakes under way, by the rank they claim
-        self._claims: dict[int, _Join] = {}
-        self._changed = anyio.Event()
-        self._listener: Any = None
-        self._bound: tuple[str, int] | None = None
         self._last_activity = 0.0
         self._closed = False
         #: ids of transfer handles with a copy posted and not yet terminal, and handles
         #: whose release waits for that
         self._in_flight: dict[int, int] = {}
         self._release_later: dict[int, Any] = {}
+
+    # -- settings and counters of the parts ----------------------------------------------
+    @property
+    def handshake_timeout(self) -> float:
+        """Seconds for a whole handshake (the default timeout of :meth:`connect`)."""
+        return self._peering.handshake_timeout
+
+    @property
+    def first_frame_timeout(self) -> float:
+        """Seconds a new connection has for its first handshake frame."""
+        return self._admission.first_frame_timeout
+
+    @property
+    def preauth_step_timeout(self) -> float:
+        """Seconds a connection has for each later handshake frame, up to its hello."""
+        return self._admission.step_timeout
+
+    @property
+    def max_unauthenticated(self) -> int:
+        """At most this many handshakes are pending before their peer's hello passed."""
+        return self._admission.max_total
+
+    @property
+    def max_unauthenticated_per_host(self) -> int:
+        """At most this many of them from one remote address."""
+        return self._admission.max_per_host
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections turned away at once ("busy" refusal) because ``max_unauthenticated``
+        handshakes, or ``max_unauthenticated_per_host`` from that host, were pending."""
+        return self._admission.refused
+
+    @property
+    def rank_grace(self) -> float:
+        """Seconds a rank lost without a clean close stays reserved for its agent."""
+        return self._liveness.rank_grace
+
+    @property
+    def stall_check(self) -> float:
+        """A poll pass this many seconds after the previous one re-checks every peer's
+        connection before serving (0: off)."""
+        return self._liveness.stall_check
+
+    @property
+    def stalls_seen(self) -> int:
+        """Stalls noticed by the poll loop (each followed by a liveness check)."""
+        return self._liveness.stalls_seen
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskSpawner) -> None:
@@ -484,33 +284,11 @@ class NixlTransport(Transport):
             self.memory_registrations += 1
         self._recv_slabs[recv.index] = recv
         self._recv_regs[recv.index] = self._reg[-1]
-        self._listener = await self._listen()
-        sock = self._listener.extra(anyio.abc.SocketAttribute.local_address)
-        self._bound = (sock[0], sock[1])
-        for listener in getattr(self._listener, "listeners", [self._listener]):
-            self._tasks.start_soon(self._accept_loop, listener)
+        await self._peering.start(host, self._tasks, self.agent_name)
         self._tasks.start_soon(self._poll_loop)
 
-    async def _listen(self) -> Any:
-        """Bind and listen on ``host:port``; a failure is a :class:`ListenError` naming both,
-        with the operating system's error chained."""
-        host, port = self._listen_host, self._port
-        where = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-        try:
-            return await anyio.create_tcp_listener(local_host=host, local_port=port)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                hint = "the port is in use: pass another port (0 picks a free one) or stop what listens there"
-            elif exc.errno == errno.EADDRNOTAVAIL:
-                hint = "that host is not an address of this machine: pass one of its own addresses"
-            elif isinstance(exc, socket.gaierror):
-                hint = "that host name does not resolve: pass an address of this machine"
-            elif exc.errno == errno.EACCES:
-                hint = "this process may not bind that port (ports below 1024 need privileges)"
-            else:
-                hint = "pass another host or port"
-            raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}; {hint}",
-                              exc.errno) from exc
+    def _peer_lost(self, rank: int, exc: PeerLostError) -> None:
+        self._started_host.peer_lost(rank, exc)
 
     def _reg_descs(self, slab: Slab) -> Any:
         return self._agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self._dev, "")],
@@ -605,53 +383,32 @@ class NixlTransport(Transport):
                 del self._stuck[key]
                 self._release_handle(h)
 
-    def _sweep(self) -> None:
-        """After a stall: a peer whose control stream has ended is lost now, before any
-        request of its is served (its receiver may have given up on us meanwhile)."""
-        import socket
-        self.stalls_seen += 1
-        for peer in list(self._peers.values()):
-            if peer.lost:
-                continue
-            try:
-                # the event loop's socket object refuses recv(): peek through a duplicate
-                fd = peer.fs.stream.extra(anyio.abc.SocketAttribute.raw_socket).fileno()
-                with socket.socket(fileno=os.dup(fd)) as dup:
-                    data = dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                continue
-            except Exception:  # a broken socket, or none: treat the stream as ended
-                data = b""
-            if data == b"":  # the other end closed its side
-                self._peer_gone(peer, True)
-                self._started_host.peer_lost(peer.rank, PeerLostError(
-                    f"rank {peer.rank} closed the connection (noticed after a stall)"))
-
     @property
     def address(self) -> str:
-        if self._bound is None:
+        address = self._peering.address()
+        if address is None:
             raise EndpointClosedError("the NIXL transport is not started (it starts with its "
                                       "endpoint: `async with Endpoint(...)`)")
-        host = self._advertise or (self._bound[0] if self._bound[0] not in ("0.0.0.0", "::")
-                                   else "127.0.0.1")
-        return f"{host}:{self._bound[1]}"
+        return address
+
+    async def connect(self, address: str, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+        """Handshake with the endpoint at ``address`` within ``timeout`` (default
+        ``handshake_timeout``). A peer that turns the connection away as busy (too many
+        handshakes pending there) is tried again with short, growing, jittered pauses
+        until the timeout; every failure is a :class:`HandshakeError` whose ``reason`` says
+        why (or a :class:`LayoutMismatchError`). See :mod:`.peering`."""
+        return await self._peering.connect(address, timeout)
 
     def describe(self) -> dict[str, Any]:
-        import nixl
-        try:
-            from importlib.metadata import version
-            ver = version("nixl")
-        except Exception:
-            ver = getattr(nixl, "__version__", "?")
-        return {"transport": self.name, "nixl": ver, "memory": self._mem, "backends": self._backends}
+        return {"transport": self.name, "nixl": nixl_version(), "memory": self._mem,
+                "backends": self._backends}
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            if self._listener is not None:
-                await self._listener.aclose()
+            await self._peering.stop_listening()
             for rank in list(self._peers):
                 await self.disconnect(rank)
             if self.agent is not None:
@@ -686,7 +443,6 @@ class NixlTransport(Transport):
             raise InternalError("the NIXL transport is used before start()")
         return self.agent
 
-    # -- handshake ----------------------------------------------------------------------
     def _my_hello(self) -> dict[str, Any]:
         if self._recv_slab is None:
             raise InternalError("the NIXL transport has no receive slab before start()")
@@ -695,14 +451,6 @@ class NixlTransport(Transport):
                 "recv_ptr": self._recv_slab.tensor.data_ptr(), "recv_dev": self._dev,
                 "recv_slabs": {str(i): s.tensor.data_ptr() for i, s in self._recv_slabs.items()},
                 "mem": self._mem}
-
-    def _check(self, frame: dict[str, Any]) -> None:
-        try:
-            hello = frame["hello"]
-            frame["agent"], frame["meta"], frame["recv_ptr"]
-        except (KeyError, TypeError):
-            raise HandshakeError("malformed handshake from peer") from None
-        self._started_host.check_hello(hello)
 
     def _add_peer(self, frame: dict[str, Any], fs: FrameStream, told: set[int] | None = None) -> _Peer:
         try:  # parse everything before touching the agent
@@ -730,233 +478,6 @@ class NixlTransport(Transport):
         self._peers[rank] = peer
         self._by_agent[peer.agent] = rank
         return peer
-
-    def _timeout(self, timeout: float | None) -> float:
-        if timeout is None:
-            return self.handshake_timeout
-        return float(check_number("timeout", timeout, strictly_positive=True))
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    def _joined(self, join: _Join) -> _Peer:
-        peer = join.peer
-        if peer is None:
-            raise InternalError("a handshake finished without adding its peer")
-        peer.joined = True
-        self._started_host.peer_joined(peer.rank, peer.hello)
-        return peer
-
-    async def _await_peer(self, rank: int | None, agent: str | None, deadline: float,
-                          address: str) -> _Peer:
-        """After yielding a connect race: wait for the surviving connection."""
-        while True:
-            p = self._peers.get(rank) if rank is not None else None
-            if p is not None and not p.lost and p.joined and (agent is None or p.agent == agent):
-                return p
-            changed = self._changed
-            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as scope:
-                await changed.wait()
-            if scope.cancelled_caught:
-                raise HandshakeError(f"handshake with {address}: the other connection with rank "
-                                     f"{rank} did not come up in time", reason="timeout")
-
-    async def connect(self, address: str, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
-        """Handshake with the endpoint at ``address`` within ``timeout`` (default
-        ``handshake_timeout``). A peer that turns the connection away as busy (too many
-        handshakes pending there) is tried again with short, growing, jittered pauses
-        until the timeout; every failure is a :class:`HandshakeError` whose ``reason`` says
-        why (or a :class:`LayoutMismatchError`)."""
-        limit = self._timeout(timeout)
-        host, port = parse_address(address)
-        deadline = anyio.current_time() + limit
-        pause = 0.01
-        while True:
-            try:
-                return await self._connect_once(address, host, port, deadline)
-            except HandshakeError as exc:
-                if exc.reason != BUSY:
-                    raise
-                left = deadline - anyio.current_time()
-                if left <= pause:
-                    raise HandshakeError(
-                        f"the peer at {address} stayed busy for the whole {limit:g} s connect "
-                        f"timeout ({exc}): it may be under a connection flood; try again later, "
-                        "or raise its max_unauthenticated", reason=BUSY) from exc
-                log.debug("%s is busy, trying again: %s", address, exc)
-                await anyio.sleep(pause * (0.5 + random.random()))
-                pause = min(pause * 2, 0.2)
-
-    async def _connect_once(self, address: str, host: str, port: int,
-                            deadline: float) -> tuple[int, dict[str, Any]]:
-        tasks = self._tasks
-        try:
-            with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
-                stream = await anyio.connect_tcp(host, port)
-        except TimeoutError as exc:
-            raise HandshakeError(f"cannot reach a peer at {address}: no connection in time",
-                                 reason="timeout") from exc
-        except (OSError, ValueError) as exc:  # ValueError: a host name the resolver refuses
-            raise HandshakeError(f"cannot reach a peer at {address}: {exc}",
-                                 reason="unreachable") from exc
-        _keepalive(stream)
-        fs = FrameStream(stream)
-        join = _Join(self, fs, initiator=True)
-        try:
-            with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
-                await exchange(fs, initiator=True, party=join, secret=self._secret)
-        except BaseException as exc:
-            if join.peer is not None:  # added but never joined: forget it again
-                self._drop(join.peer.rank)
-            join.finish()
-            await fs.aclose()
-            if isinstance(exc, PeerYielded):  # a connect race, or already connected
-                rank = join.rank if join.rank is not None else exc.rank
-                agent = join.agent if join.agent is not None else exc.agent
-                p = await self._await_peer(rank, agent, deadline, address)
-                return p.rank, p.hello
-            if isinstance(exc, XavierError):
-                raise
-            if isinstance(exc, TimeoutError):
-                raise HandshakeError(f"handshake with {address} failed: no answer in time",
-                                     reason="timeout") from exc
-            if isinstance(exc, (OSError, anyio.EndOfStream, anyio.IncompleteRead,
-                                anyio.BrokenResourceError)):
-                raise HandshakeError(
-                    f"handshake with {address} failed: the peer closed the connection without "
-                    f"saying why ({type(exc).__name__}); it may be stopping, or it is not an "
-                    "xavier_async endpoint", reason="closed") from exc
-            if isinstance(exc, (ValueError, TypeError)):
-                raise HandshakeError(f"handshake with {address} failed: {exc!r}") from exc
-            raise
-        peer = self._joined(join)
-        join.finish()
-        tasks.start_soon(self._watch, peer)
-        return peer.rank, peer.hello
-
-    async def _accept_loop(self, listener: Any) -> None:
-        tasks = self._tasks
-        while True:
-            try:
-                stream = await listener.accept()
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                return
-            except OSError as exc:  # out of file descriptors (a flood), or the like: go on
-                log.warning("accepting a connection failed: %s", exc)
-                await anyio.sleep(0.05)
-                continue
-            who = _remote_host(stream)
-            full = self._busy(who)
-            if full is not None:  # a flood: say so, and hang up at once
-                self.refused_connections += 1
-                await self._turn_away(stream, full)
-                continue
-            self._unauthenticated += 1
-            self._unauthenticated_by_host[who] = self._unauthenticated_by_host.get(who, 0) + 1
-            tasks.start_soon(self._accept, stream, who)
-
-    def _busy(self, who: str) -> str | None:
-        """Why a new connection from ``who`` is turned away now, or ``None``."""
-        if self._unauthenticated >= self.max_unauthenticated:
-            return (f"{self._unauthenticated} handshakes are pending at this endpoint "
-                    f"(max_unauthenticated={self.max_unauthenticated}); try again shortly")
-        mine = self._unauthenticated_by_host.get(who, 0)
-        if mine >= self.max_unauthenticated_per_host:
-            return (f"{mine} handshakes from {who} are pending at this endpoint "
-                    f"(max_unauthenticated_per_host={self.max_unauthenticated_per_host}); "
-                    "try again shortly")
-        return None
-
-    def _release_preauth(self, who: str) -> None:
-        self._unauthenticated -= 1
-        left = self._unauthenticated_by_host.get(who, 0) - 1
-        if left > 0:
-            self._unauthenticated_by_host[who] = left
-        else:
-            self._unauthenticated_by_host.pop(who, None)
-
-    async def _turn_away(self, stream: SocketStream, why: str) -> None:
-        """Tell a connection we will not serve now why (a "busy" refusal frame, which its
-        ``connect`` retries), then close it. Bounded: a fresh socket's send buffer takes
-        the small frame at once, and nothing is read."""
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(0.05):
-                try:
-                    await FrameStream(stream).send(refusal(busy(why)))
-                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    pass
-            await stream.aclose()
-
-    async def _accept(self, stream: SocketStream, who: str) -> None:
-        fs = FrameStream(stream)
-        join = _Join(self, fs, initiator=False)
-        join.preauth = who  # taken by _accept_loop; released at the hello, or below
-        try:
-            try:
-                with anyio.fail_after(self.handshake_timeout):
-                    await exchange(fs, initiator=False, party=join, secret=self._secret,
-                                   first_timeout=self.first_frame_timeout,
-                                   step_timeout=self.preauth_step_timeout)
-            finally:
-                join.release_preauth()
-        except Exception as exc:
-            if isinstance(exc, PeerYielded):
-                log.debug("handshake from a peer gave way to another connection: %s", exc)
-            elif "authentication failed" in str(exc):
-                log.warning("refused a peer from %s: %s", _remote(stream), exc)
-            else:
-                log.info("handshake from %s failed: %r", _remote(stream), exc)
-            if join.peer is not None:
-                self._drop(join.peer.rank)
-            join.finish()
-            await fs.aclose()
-            return
-        _keepalive(stream)
-        peer = self._joined(join)
-        join.finish()
-        await self._watch(peer)
-
-    async def _watch(self, peer: _Peer) -> None:
-        """Hold the peer's TCP stream; its end means the peer is gone."""
-        reason = "closed the connection"
-        confirmed = False  # its side closed the connection: the process closed or died
-        try:
-            while True:
-                await peer.fs.reader.receive()
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            reason = f"connection ended ({type(exc).__name__})"
-            confirmed = isinstance(exc, anyio.EndOfStream) or isinstance(
-                exc.__cause__ or exc, ConnectionResetError)
-        finally:
-            current = self._peers.get(peer.rank)
-            if current is peer and not peer.lost and not self._closed:
-                self._peer_gone(peer, confirmed)
-                self._started_host.peer_lost(peer.rank, PeerLostError(f"rank {peer.rank} {reason}"))
-
-    def _peer_gone(self, peer: _Peer, confirmed: bool) -> None:
-        """Mark ``peer`` lost. Unless its side closed the connection (``confirmed``), its
-        rank stays reserved for its agent for ``rank_grace`` seconds: the old process may
-        still be alive behind a partition and still hold our receive slab's address."""
-        peer.lost = True
-        if confirmed:
-            self._gone.pop(peer.rank, None)
-        else:
-            self._gone[peer.rank] = (peer.agent, anyio.current_time() + self.rank_grace)
-
-    def _check_owner(self, rank: int, agent: str) -> None:
-        gone = self._gone.get(rank)
-        if gone is None:
-            return
-        old, until = gone
-        left = until - anyio.current_time()
-        if old == agent or left <= 0:
-            del self._gone[rank]
-            return
-        raise HandshakeError(
-            f"rank {rank} was lost {self.rank_grace - left:.1f} s ago without a clean close and "
-            f"may still be alive; another agent can claim it in {left:.1f} s, or at once after "
-            f"the old one ({old}) reconnects and closes")
 
     # -- peers --------------------------------------------------------------------------
     def _peer(self, rank: int) -> _Peer:
@@ -994,7 +515,7 @@ class NixlTransport(Transport):
         self._former[peer.agent] = rank  # its late notifications still mean something
         while len(self._former) > 256:
             self._former.popitem(last=False)
-        self._notify()
+        self._peering.notify()
         try:
             self._agent.remove_remote_agent(peer.agent)
         except Exception:
@@ -1128,11 +649,12 @@ class NixlTransport(Transport):
         # Pinned to one CPU, a yield hands that CPU to CUDA's and UCX's own threads and
         # costs a timeslice (~200 us measured): poll through the event loop only.
         share = sched_yield is not None and _cpus() > 1
+        liveness = self._liveness
         last_pass = monotonic()
         while True:
             now = monotonic()
-            if self.stall_check and now - last_pass > self.stall_check:
-                self._sweep()  # we were stalled: drop peers that hung up before serving them
+            if liveness.stall_check and now - last_pass > liveness.stall_check:
+                liveness.sweep()  # we were stalled: drop peers that hung up before serving them
             last_pass = now
             if self._stuck:
                 self._check_stuck()
