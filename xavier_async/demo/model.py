@@ -185,11 +185,6 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class PagedModel:
     """The model and the paged cache of one replica. Call :meth:`step` from one thread at
     a time (the replica runs it on its model thread)."""
@@ -213,51 +208,58 @@ class PagedModel:
         probe = torch.zeros(1, dtype=shape.torch_dtype, device=device)
         with torch.no_grad():
             cos, sin = inner.rotary_emb(probe, positions)
+        half = shape.head_dim // 2
         self._cos: torch.Tensor = cos[0]
-        self._sin: torch.Tensor = sin[0]
+        self._sin_signed: torch.Tensor = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         self._scale = shape.head_dim ** -0.5
+        # one GEMM for Q, K and V per layer (the model's own weights, side by side)
+        self._qkv_w = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+                       for a in (layer.self_attn for layer in self._layers)]
+        self._qkv_b = [torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                       for a in (layer.self_attn for layer in self._layers)]
 
     # -- one engine step ------------------------------------------------------------------
     @torch.no_grad()
     def step(self, items: Sequence[StepItem]) -> StepResult:
         """Run the step's token rows through every layer: write their K and V into the
         requests' slots, attend over each request's pages, and return the logits of the
-        rows marked ``sample``. On CUDA the device work is complete when this returns (a
-        block published after it is readable by a transfer)."""
+        rows marked ``sample``, in item order. On CUDA the device work is complete when
+        this returns (a block published after it is readable by a transfer)."""
         sh, dev = self.shape, self.device
+        H, kvh, d = sh.heads, sh.kv_heads, sh.head_dim
+        groups, order = self._groups(items)  # rows are packed group by group
+        packed = [items[i] for i in order]
         n_rows = sum(len(it.ids) for it in items)
         rows = _round_up(max(n_rows, 1), ROW_ALIGN) if self.invariant else n_rows
-        ids = [t for it in items for t in it.ids] + [0] * (rows - n_rows)
-        pos_list = [it.start + i for it in items for i in range(len(it.ids))]
-        slot_list = [it.slots[p // BLOCK] for it in items for p in range(it.start, it.start + len(it.ids))]
+        ids = [t for it in packed for t in it.ids] + [0] * (rows - n_rows)
+        pos_list = [it.start + i for it in packed for i in range(len(it.ids))]
+        slot_list = [it.slots[p // BLOCK] for it in packed for p in range(it.start, it.start + len(it.ids))]
         pos = torch.tensor(pos_list + [0] * (rows - n_rows), dtype=torch.long, device=dev)
         slot_idx = torch.tensor(slot_list, dtype=torch.long, device=dev)
         off_idx = pos[:n_rows] % BLOCK
-        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]   # [rows, 1, d]
-        groups = self._groups(items)
+        cos, sin = self._cos[pos][:, None], self._sin_signed[pos][:, None]   # [rows, 1, d]
 
         h = self.model.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
         for li, layer in enumerate(self._layers):
-            attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(rows, sh.heads, sh.head_dim)
-            k = attn.k_proj(x).view(rows, sh.kv_heads, sh.head_dim)
-            v = attn.v_proj(x).view(rows, sh.kv_heads, sh.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qkv = torch.nn.functional.linear(x, self._qkv_w[li], self._qkv_b[li]).view(rows, H + 2 * kvh, d)
+            qk = qkv[:, :H + kvh]
+            # RoPE: x * cos + rotate_half(x) * sin, with rotate_half's sign folded into sin
+            qkv[:, :H + kvh] = qk * cos + qk.roll(d // 2, dims=-1) * sin
             cache = self.kv.caches[li]
-            cache[slot_idx, :, :, off_idx] = torch.stack([k[:n_rows], v[:n_rows]], dim=1)
-            out = torch.zeros(rows, sh.heads * sh.head_dim, dtype=h.dtype, device=dev)
-            for g in groups:
-                out[g.rows] = self._attend(cache, q[g.rows], g)
-            h = h + attn.o_proj(out)
+            cache[slot_idx, :, :, off_idx] = qkv[:n_rows, H:].view(n_rows, 2, kvh, d)
+            q = qkv[:, :H]
+            outs = [self._attend(cache, q[g.r0:g.r1], g) for g in groups]
+            if rows > n_rows:
+                outs.append(q.new_zeros(rows - n_rows, H * d))
+            h = h + layer.self_attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
 
-        sample_rows, at = [], 0
-        for it in items:
+        last, at = {}, 0
+        for i, it in zip(order, packed):
             at += len(it.ids)
-            if it.sample:
-                sample_rows.append(at - 1)
+            last[i] = at - 1
+        sample_rows = [last[i] for i, it in enumerate(items) if it.sample]
         n_sample = len(sample_rows)
         pad = (_round_up(max(n_sample, 1), ROW_ALIGN) - n_sample) if self.invariant else 0
         sel = torch.tensor(sample_rows + [0] * pad, dtype=torch.long, device=dev)
@@ -272,34 +274,40 @@ class PagedModel:
     # -- attention over pages ---------------------------------------------------------------
     @dataclass
     class _Group:
-        """Requests attended together: their rows in the step (in packed order), where each
-        row goes in the padded query layout ``[n, q_len]``, their block tables, and the mask
-        (invariant mode: one contiguous ``[n, kv_heads, groups * q_len, ATTN_TILE]`` per tile;
-        otherwise ``[n, 1, q_len, keys]``)."""
+        """Requests attended together: their rows ``r0:r1`` of the step, where each row
+        goes in the padded query layout ``[n, q_len]`` (``None``: no padding), their block
+        tables, and the mask (invariant mode: one contiguous
+        ``[n, kv_heads, groups * q_len, ATTN_TILE]`` per tile; otherwise ``[n, 1, q_len, keys]``)."""
 
-        rows: torch.Tensor
-        dest: torch.Tensor
+        r0: int
+        r1: int
+        dest: torch.Tensor | None
         n: int
         q_len: int
         table: torch.Tensor
         masks: list[torch.Tensor]
 
-    def _groups(self, items: Sequence[StepItem]) -> list[PagedModel._Group]:
+    def _groups(self, items: Sequence[StepItem]) -> tuple[list[PagedModel._Group], list[int]]:
         """Requests whose chunks have about the same length (the same power of two) are
         attended as one batch: decode tokens together, short chunks together, a long
-        chunk with the long ones; padding wastes at most half of a group's queries."""
-        starts, at = [], 0
-        for it in items:
-            starts.append(at)
-            at += len(it.ids)
+        chunk with the long ones (padding wastes at most half of a group's queries).
+        Returns the groups and the item order that makes each group's rows contiguous."""
         buckets: dict[int, list[int]] = {}
         for i, it in enumerate(items):
             buckets.setdefault((len(it.ids) - 1).bit_length(), []).append(i)
-        return [self._group([items[i] for i in b], [starts[i] for i in b]) for b in buckets.values()]
+        groups, order, at = [], [], 0
+        for key in sorted(buckets):
+            members = buckets[key]
+            g = self._group([items[i] for i in members], at)
+            groups.append(g)
+            order += members
+            at = g.r1
+        return groups, order
 
-    def _group(self, items: Sequence[StepItem], starts: Sequence[int]) -> PagedModel._Group:
+    def _group(self, items: Sequence[StepItem], r0: int) -> PagedModel._Group:
         sh, dev = self.shape, self.device
-        q_len = max(len(it.ids) for it in items)
+        lengths = [len(it.ids) for it in items]
+        q_len = max(lengths)
         n_blocks = -(-max(it.start + len(it.ids) for it in items) // BLOCK)
         groups = sh.heads // sh.kv_heads
         if self.invariant:  # groups * q_len rows per GEMM: a multiple of ROW_ALIGN
@@ -307,8 +315,8 @@ class PagedModel:
             n_blocks = _round_up(n_blocks, ATTN_TILE // BLOCK)
         table = [list(it.slots[:-(-(it.start + len(it.ids)) // BLOCK)]) for it in items]
         table = [t + [self.kv.scratch] * (n_blocks - len(t)) for t in table]
-        rows = [s + i for it, s in zip(items, starts) for i in range(len(it.ids))]
-        dest = [r * q_len + i for r, it in enumerate(items) for i in range(len(it.ids))]
+        padded = any(n != q_len for n in lengths)
+        dest = [r * q_len + i for r, n in enumerate(lengths) for i in range(n)]
         # key j is visible to query i of a request iff j <= its position; padded queries see key 0
         qpos = torch.zeros(len(items), q_len, dtype=torch.long)
         for r, it in enumerate(items):
@@ -323,34 +331,35 @@ class PagedModel:
         else:
             masks = [(torch.arange(n_blocks * BLOCK)[None, None, :] <= qpos[:, :, None])[:, None].to(dev)]
         return PagedModel._Group(
-            rows=torch.tensor(rows, dtype=torch.long, device=dev),
-            dest=torch.tensor(dest, dtype=torch.long, device=dev), n=n, q_len=q_len,
+            r0=r0, r1=r0 + sum(lengths),
+            dest=torch.tensor(dest, dtype=torch.long, device=dev) if padded else None, n=n, q_len=q_len,
             table=torch.tensor(table, dtype=torch.long, device=dev), masks=masks)
 
     def _attend(self, cache: torch.Tensor, q: torch.Tensor, g: PagedModel._Group) -> torch.Tensor:
         """Attention of the group's query rows ``q [rows, heads, d]`` over their pages;
         returns ``[rows, heads * d]`` in the same order."""
         sh = self.shape
-        kvh, d, groups = sh.kv_heads, sh.head_dim, sh.heads // sh.kv_heads
+        H, kvh, d, groups = sh.heads, sh.kv_heads, sh.head_dim, sh.heads // sh.kv_heads
         n, ql, nb = g.n, g.q_len, g.table.shape[1]
+        L = nb * BLOCK
         kv = cache.index_select(0, g.table.reshape(-1)).view(n, nb, 2, kvh, BLOCK, d)
-        k = kv[:, :, 0].permute(0, 2, 1, 3, 4).reshape(n, kvh, nb * BLOCK, d)
-        v = kv[:, :, 1].permute(0, 2, 1, 3, 4).reshape(n, kvh, nb * BLOCK, d)
-        qp = q.new_zeros(n * ql, sh.heads, d)
-        qp[g.dest] = q
+        kv = kv.permute(2, 0, 3, 1, 4, 5)                  # [2, n, kvh, nb, 16, d]
+        if g.dest is not None:
+            qp = q.new_zeros(n * ql, H, d)
+            qp[g.dest] = q
+            q = qp
         if self.invariant:
+            k, v = kv.reshape(2, n, kvh, L, d)
             # query heads of one KV head side by side: [n, kvh, groups * q_len, d]
-            qg = qp.view(n, ql, kvh, groups, d).permute(0, 2, 3, 1, 4).reshape(n, kvh, groups * ql, d)
+            qg = q.view(n, ql, kvh, groups, d).permute(0, 2, 3, 1, 4).reshape(n, kvh, groups * ql, d)
             o = self._tiled_attention(qg, k, v, g.masks)
-            o = o.view(n, kvh, groups, ql, d).permute(0, 3, 1, 2, 4).reshape(n * ql, sh.heads * d)
+            o = o.view(n, kvh, groups, ql, d).permute(0, 3, 1, 2, 4).reshape(n * ql, H * d)
         else:
-            qh = qp.view(n, ql, sh.heads, d).transpose(1, 2)
-            kx = k[:, :, None].expand(n, kvh, groups, nb * BLOCK, d).reshape(n, sh.heads, -1, d)
-            vx = v[:, :, None].expand(n, kvh, groups, nb * BLOCK, d).reshape(n, sh.heads, -1, d)
+            k, v = kv[:, :, :, None].expand(2, n, kvh, groups, nb, BLOCK, d).reshape(2, n, H, L, d)
             o = torch.nn.functional.scaled_dot_product_attention(
-                qh, kx, vx, attn_mask=g.masks[0], scale=self._scale)
-            o = o.transpose(1, 2).reshape(n * ql, sh.heads * d)
-        return o[g.dest]
+                q.view(n, ql, H, d).transpose(1, 2), k, v, attn_mask=g.masks[0], scale=self._scale)
+            o = o.transpose(1, 2).reshape(n * ql, H * d)
+        return o if g.dest is None else o[g.dest]
 
     def _tiled_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          masks: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -88,10 +88,13 @@ class Replica:
         return await self._model(self.model.step, items)
 
     async def warm_up(self) -> None:
-        """One small request through the engine (prefill and decode), so the first timed
-        request pays no start-up cost."""
-        tokens = list(range(2 * BLOCK + 3))
-        slots = self.model.kv.alloc(blocks_for(len(tokens), 2))
+        """One request through the engine, as long as a full step (or as the free slots
+        allow), prefill and decode, so the first timed request pays no start-up cost
+        (kernel selection for the largest shapes, on the GPU)."""
+        kv, vocab = self.model.kv, self.model.shape.vocab
+        n = max(min(self.engine.step_tokens, (kv.free_slots - 1) * BLOCK - 2), 2 * BLOCK)
+        tokens = [t % vocab for t in range(n + 1)]
+        slots = kv.alloc(blocks_for(len(tokens), 2))
         try:
             await self.engine.generate(Request("warm-up", tokens, slots, 2))
         finally:
