@@ -49,7 +49,7 @@ COLUMNS = (("recompute", "recompute", None), ("load", "load from peer", A),
 #: defaults per device
 DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": dict(cold=4, warm=32, prefix_blocks=8, suffix_tokens=24, new_tokens=8, long_prompts=2,
-                long_blocks=32, step_tokens=256, sweep="1,2,4,8,16,32,64,128,256", sweep_reps=3),
+                long_blocks=32, step_tokens=256, sweep="1,2,4,8,16,32,64,128,256", sweep_reps=5),
     "cuda": dict(cold=8, warm=64, prefix_blocks=64, suffix_tokens=64, new_tokens=16, long_prompts=4,
                  long_blocks=128, step_tokens=2048, sweep="1,2,4,8,16,32,64,128,256", sweep_reps=5),
 }
@@ -512,6 +512,8 @@ def table(res: dict[str, Any]) -> str:
         row("warm TTFT p50", lambda c, k: f"{c['ttft_p50_ms']:,.1f} ms"),
         row("warm TTFT p95", lambda c, k: f"{c['ttft_p95_ms']:,.1f} ms"),
         row("throughput (output tokens/s)", lambda c, k: f"{c['tokens_per_s']:,.1f}"),
+        row("prefix load p50 (request start to loaded)", lambda c, k: "-" if k == "recompute"
+            else f"{c['load_p50_ms']:,.1f} ms"),
         row("cold long-prompt TTFT (mean)", lambda c, k: f"{c['long_ttft_mean_ms']:,.1f} ms"
             if c["long_ttft_ms"] else "-"),
         row("prefix blocks", lambda c, k: f"{c['blocks_loaded']} loaded" if k != "recompute"
