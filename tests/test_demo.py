@@ -145,11 +145,19 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(SMALL.vocab) for _ in range(n)] for n in (150, 37, 80, 200, 17)]
 
 
-def test_paged_model_is_batch_invariant_on_the_cpu(prompts):
+@pytest.fixture
+def one_thread():
+    """torch on one thread, as in the replicas (``--threads 1``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_paged_model_is_batch_invariant_on_the_cpu(prompts, one_thread):
     """CPU float32: a request's logits and KV bytes are the same alone in one chunk, and
     batched with others in chunks cut at other places (what makes loaded and recomputed
     answers comparable bit for bit)."""
-    torch.set_num_threads(1)
     together = _serve(PagedModel(SMALL, 0, torch.device("cpu"), 200), prompts, 48, 5)
     for i, p in enumerate(prompts):
         alone = _serve(PagedModel(SMALL, 0, torch.device("cpu"), 200), [p], 512, 5)[0]
@@ -158,7 +166,7 @@ def test_paged_model_is_batch_invariant_on_the_cpu(prompts):
         assert torch.equal(alone.snapshot.view(torch.uint8), together[i].snapshot.view(torch.uint8))
 
 
-def test_paged_model_with_a_loaded_prefix_answers_as_when_computing_it(prompts):
+def test_paged_model_with_a_loaded_prefix_answers_as_when_computing_it(prompts, one_thread):
     """The engine's core claim, without transfers: blocks copied in from another replica's
     cache (same weights) and a request joining with them computed gives the same answer."""
     source = PagedModel(SMALL, 0, torch.device("cpu"), 200)
