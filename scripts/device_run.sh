@@ -34,5 +34,7 @@ for step in $steps; do case $step in
           # one archive: the device tool brings back only a few files per call
           (cd "$OUT" && tar czf matrix.tgz serving_*_* && rm -f serving_*_*) ;;
   profile) [ -x /tmp/site/bin/py-spy ] && timeout 280 /tmp/site/bin/py-spy record --subprocesses --rate ${PYSPY_RATE:-100} --format raw -o "$OUT/profile_three.txt" -- python3 -m xavier_async.bench bench --only-serving --serving-topology three --json "$OUT/serving_three_profiled.json" 2>&1 | tail -40 | tee "$OUT/profile_log.txt" ;;
-  demo) timeout 400 python3 -m xavier_async.bench demo --device cuda --json "$OUT/demo_cuda.json" --plot "$OUT/demo_cuda.png" 2>&1 | tee "$OUT/demo_cuda.txt" ;;
+  demo) # the demo as a serving engine: BF16 Qwen2.5-0.5B shape, 16 in flight, three columns and
+        # the break-even sweep; with one GPU every replica shares cuda:0 (the output says so)
+        timeout 560 python3 -m xavier_async.bench demo --device cuda --json "$OUT/demo_cuda.json" --plot "$OUT/demo_cuda.png" 2>&1 | tee "$OUT/demo_cuda.txt" ;;
 esac; done

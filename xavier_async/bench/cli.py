@@ -117,11 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "processes, same sizes and counts), side by side; needs "
                         "pip install 'xavier-async[xoscar]'")
     from ..demo import add_arguments as demo_arguments
-    d = sub.add_parser("demo", help="prefix sharing between two replicas of a real model "
-                                    "(needs the demo extra: transformers)",
-                       description="Two Qwen2 replicas (random weights, same seed) in two "
-                                   "processes: warm requests load their prefix blocks from the "
-                                   "other replica, every answer checked against recomputing.")
+    d = sub.add_parser("demo", help="prefix sharing between replicas of a real model, each a "
+                                    "batched serving engine (needs the demo extra: transformers)",
+                       description="Qwen2 replicas (random weights, same seed) in three processes, "
+                                   "each running batched engine steps: warm requests recompute "
+                                   "their prefix, load it from a peer, load it with trimmed "
+                                   "copies; every answer checked against recomputing. Prints the "
+                                   "TTFT table and the break-even sweep of prefix length.")
     demo_arguments(d)
     return p
 

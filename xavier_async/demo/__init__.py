@@ -1,11 +1,15 @@
-"""``xavier-async demo``: prefix sharing between two replicas of a real model.
+"""``xavier-async demo``: prefix sharing between replicas of a real model, each a batched
+serving engine.
 
-Two replica processes each run transformers' Qwen2 causal LM built from a config with the
-same random weights, on a paged KV cache whose slots are an :class:`~xavier_async.Endpoint`'s
-caches. Replica A prefills cold prompts and publishes their blocks; replica B serves warm
-requests sharing those prefixes by loading the blocks over NIXL, and checks every answer
-against recomputing the prefix itself. The engine never imports this package; it needs
-the ``demo`` extra (``transformers``).
+Three replica processes run transformers' Qwen2 causal LM built from a config with the
+same random weights, each under an engine loop (:mod:`.engine`: continuous batching with
+a token budget per step) and a paged-attention driver (:mod:`.model`) whose cache slots
+are an :class:`~xavier_async.Endpoint`'s caches. Sources A and C prefill cold prompts and
+publish their blocks (C with ``EndpointConfig(trimmed=True)``); replica B serves the warm
+requests that share those prefixes three times (recomputing, loading from A, loading from
+C), checks every answer against recomputing, and the driver prints the TTFT table and a
+break-even sweep of prefix length. The engine never imports this package; it needs the
+``demo`` extra (``transformers``).
 
 ``python -m xavier_async.demo --help`` lists the options; :func:`add_arguments` and
 :func:`run` plug the same command into another argument parser.

@@ -11,7 +11,7 @@ from . import add_arguments, run
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m xavier_async.demo",
-        description="Prefix sharing between two replicas of a Qwen2 model (random weights) over NIXL.")
+        description="Prefix sharing between Qwen2 replicas (random weights), each a batched engine, over NIXL.")
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -1,6 +1,12 @@
-"""The demo's driver (the parent process): it starts two replicas, owns the block
+"""The demo's driver (the parent process): it starts three replicas, owns the block
 directory (block hash -> (rank, slot)), routes requests, checks every warm answer and
-prints the table.
+prints the table and the break-even sweep.
+
+Replicas: A (rank 0) and C (rank 2) are sources that serve the same cold prompts, A with
+the default endpoint (copies through the chosen slab view) and C with
+``EndpointConfig(trimmed=True)`` (copies only the payload); B (rank 1) is the replica
+under test. B serves the same warm requests three times: recomputing every prefix (the
+reference), loading the prefixes from A, loading them from C.
 
 The directory stands for what a real stack already has: a router's prefix index or a
 block tracker that replicas report published blocks to (vLLM's KV events, Dynamo's KV
@@ -15,24 +21,43 @@ import multiprocessing
 import os
 import random
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from .._checks import cli_int
-from .model import BLOCK, QWEN25_05B, SMALL, ModelShape, block_hashes, cacheable_blocks
+from .model import (
+    BLOCK,
+    QWEN25_05B,
+    SMALL,
+    ModelShape,
+    block_hashes,
+    blocks_for,
+    cacheable_blocks,
+)
 
-#: ranks of the two replicas
-A, B = 0, 1
+#: ranks: the default source, the replica under test, the trimmed source
+A, B, C = 0, 1, 2
+#: the three columns of the table: (key, title, source rank)
+COLUMNS = (("recompute", "recompute", None), ("load", "load from peer", A),
+           ("trimmed", "load from peer, trimmed", C))
 
-#: defaults per device: (shape, cold prompts, warm requests, prefix blocks, max suffix, new tokens)
+#: defaults per device
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": dict(cold=4, warm=32, prefix_blocks=8, suffix_tokens=24, new_tokens=8),
-    "cuda": dict(cold=8, warm=64, prefix_blocks=64, suffix_tokens=64, new_tokens=16),
+    "cpu": dict(cold=4, warm=32, prefix_blocks=8, suffix_tokens=24, new_tokens=8, long_prompts=2,
+                long_blocks=32, step_tokens=256, sweep="1,2,4,8,16,32,64,128,256", sweep_reps=5),
+    "cuda": dict(cold=8, warm=64, prefix_blocks=64, suffix_tokens=64, new_tokens=16, long_prompts=4,
+                 long_blocks=128, step_tokens=2048, sweep="1,2,4,8,16,32,64,128,256", sweep_reps=5),
 }
+#: the suffix a sweep request computes after its prefix
+SWEEP_SUFFIX = 8
+#: pause before each sweep request: the endpoints' pollers spin for a while after traffic
+#: (on a 2-core machine they would share the cores with the next request's model thread)
+SWEEP_SETTLE_S = 0.1
 
 
 class DemoError(RuntimeError):
@@ -54,9 +79,9 @@ class ReplicaProcess:
         self.address: str | None = None
 
     def wait_ready(self, timeout: float) -> None:
-        self.address = self._reply(timeout)
+        self.address = self.reply(timeout)
 
-    def _reply(self, timeout: float, on_event: Callable[[str], None] | None = None) -> Any:
+    def reply(self, timeout: float, on_event: Callable[[str], None] | None = None) -> Any:
         deadline = time.monotonic() + timeout
         while True:
             if not self.conn.poll(max(deadline - time.monotonic(), 0)):
@@ -74,14 +99,18 @@ class ReplicaProcess:
                 raise DemoError(f"replica {self.rank} failed: {value}")
             return value
 
+    def send(self, cmd: str, arg: Any = None) -> None:
+        self.conn.send((cmd, arg))
+
     def call(self, cmd: str, arg: Any = None, timeout: float = 600.0,
              on_event: Callable[[str], None] | None = None) -> Any:
-        self.conn.send((cmd, arg))
-        return self._reply(timeout, on_event)
+        self.send(cmd, arg)
+        return self.reply(timeout, on_event)
 
     def stop(self) -> None:
         """SIGSTOP: the replica freezes (it serves nothing) until killed."""
-        assert self.proc.pid is not None
+        if self.proc.pid is None:
+            raise DemoError(f"replica {self.rank} never started")
         os.kill(self.proc.pid, signal.SIGSTOP)
 
     def kill(self) -> None:
@@ -103,9 +132,20 @@ class ReplicaProcess:
 
 
 # -- the workload -----------------------------------------------------------------------
-def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Cold prompts (``prefix_blocks`` full blocks + a 1-15 token tail) and warm prompts
-    (one cold prompt's full blocks, round robin, + a 1..``suffix_tokens`` suffix)."""
+@dataclass
+class Workload:
+    """Token ids: cold prompts (``prefix_blocks`` full blocks + a 1-15 token tail), warm
+    prompts (one cold prompt's full blocks, round robin, + a 1..``suffix_tokens`` suffix),
+    long cold prompts that share nothing, and the sweep's prompt (its first ``n`` blocks
+    are the prefix of size ``n``)."""
+
+    cold: list[list[int]]
+    warm: list[list[int]]
+    long: list[list[int]]
+    sweep: list[int]
+
+
+def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
     rng = random.Random(args.seed)
 
     def tokens(n: int) -> list[int]:
@@ -114,7 +154,24 @@ def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]]
     cold = [p + tokens(rng.randint(1, BLOCK - 1)) for p in prefixes]
     warm = [prefixes[i % args.cold] + tokens(rng.randint(1, args.suffix_tokens))
             for i in range(args.warm)]
-    return cold, warm
+    long = [tokens(args.long_blocks * BLOCK + rng.randint(1, BLOCK - 1)) for _ in range(args.long_prompts)]
+    sizes = sweep_sizes(args)
+    sweep = tokens(max(sizes) * BLOCK + 1) if sizes else []
+    return Workload(cold, warm, long, sweep)
+
+
+def sweep_sizes(args: argparse.Namespace) -> list[int]:
+    """The ``--sweep`` prefix sizes in blocks (``none``: no sweep)."""
+    text = str(args.sweep).strip().lower()
+    if text in ("", "none", "0"):
+        return []
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise DemoError(f"--sweep takes block counts like 1,4,16 or 'none', got {args.sweep!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise DemoError(f"--sweep sizes must be positive block counts, got {args.sweep!r}")
+    return sizes
 
 
 def lookup(directory: dict[str, tuple[int, int]], hashes: Sequence[str]) -> tuple[int | None, list[str]]:
@@ -139,54 +196,96 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def placement(args: argparse.Namespace) -> tuple[dict[int, str], str]:
+    """Device of each replica, and a sentence saying where they run: the sources (A, C)
+    where a two-process run puts process 0, B where it puts process 1
+    (:func:`~xavier_async.testing.devices.peer_device`: one GPU holds all three)."""
+    if args.device == "cpu":
+        return {A: "cpu", B: "cpu", C: "cpu"}, (
+            f"cpu: three replica processes (sources A and C, B under test), "
+            f"{args.threads} torch thread(s) each")
+    import torch
+
+    from ..testing.devices import SHARED_GPU_NOTE, peer_device
+    src, under_test = peer_device(0, "cuda"), peer_device(1, "cuda")
+    name = torch.cuda.get_device_name(0)
+    where = {A: src.device, B: under_test.device, C: src.device}
+    if under_test.shared:
+        return where, f"cuda: ONE GPU visible ({name}): A, B and C share cuda:0; {SHARED_GPU_NOTE}"
+    return where, (f"cuda: sources A and C on {src.device}, B on {under_test.device} "
+                   f"({torch.cuda.device_count()} x {name})")
+
+
 # -- the run ----------------------------------------------------------------------------
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole demo; return every figure and check as a JSON-able dict."""
     fill_defaults(args)
     shape = shape_of(args)
-    cold, warm = make_workload(args, shape.vocab)
+    sizes = sweep_sizes(args)
+    work = make_workload(args, shape.vocab)
     salt = f"qwen2-random-seed{args.seed}-{shape}".encode()
-    from ..testing.devices import gpu_facts, peer_device
-    dev_a, dev_b = peer_device(0, args.device).device, peer_device(1, args.device).device
-    common = dict(shape=asdict(shape), seed=args.seed, threads=args.threads,
-                  chunk_tokens=args.prefill_chunk, trimmed=args.trimmed)
-    specs = [dict(common, rank=A, device=dev_a,
-                  num_slots=args.cold * args.prefix_blocks + 4),
-             dict(common, rank=B, device=dev_b,
-                  num_slots=min(args.concurrency, args.warm) * (args.prefix_blocks + 1) + 4)]
-    replicas: list[ReplicaProcess] = []
+    devices, where = placement(args)
+    new = args.new_tokens
+    per_warm = blocks_for(args.prefix_blocks * BLOCK + args.suffix_tokens, new)
+    per_long = max((blocks_for(len(t), new) for t in work.long), default=0)
+    source_slots = sum(blocks_for(len(t), new) for t in work.cold) + \
+        (blocks_for(len(work.sweep), new) if sizes else 0) + 4
+    b_slots = max(args.concurrency * max(per_warm, per_long),
+                  blocks_for(max(sizes, default=0) * BLOCK + SWEEP_SUFFIX, 1)) + 4
+    common = dict(shape=asdict(shape), seed=args.seed, threads=args.threads, step_tokens=args.step_tokens)
+    specs = [dict(common, rank=A, device=devices[A], num_slots=source_slots, trimmed=False),
+             dict(common, rank=B, device=devices[B], num_slots=b_slots, trimmed=False),
+             dict(common, rank=C, device=devices[C], num_slots=source_slots, trimmed=True)]
+    replicas: dict[int, ReplicaProcess] = {}
     killed = False
+    t_start = time.perf_counter()
     try:
-        for spec in specs:  # both start (import torch, build the model) at the same time
-            replicas.append(ReplicaProcess(spec))
-        for r in replicas:
+        for spec in specs:  # all start (import torch, build the model) at the same time
+            replicas[int(spec["rank"])] = ReplicaProcess(spec)
+        for r in replicas.values():
             r.wait_ready(args.start_timeout)
-        ra, rb = replicas
-        assert ra.address is not None
-        rb.call("connect", ra.address)
+        ra, rb, rc = replicas[A], replicas[B], replicas[C]
+        for source_proc in (ra, rc):
+            rb.call("connect", source_proc.address)
 
-        # 1. cold prompts on A: prefill, publish, and report to the directory
-        directory: dict[str, tuple[int, int]] = {}
-        cold_reqs = [{"id": i, "tokens": t, "hashes": block_hashes(t, cacheable_blocks(len(t)), salt)}
-                     for i, t in enumerate(cold)]
-        cold_res = ra.call("batch", {"mode": "cold", "requests": cold_reqs, "new_tokens": args.new_tokens,
-                                     "concurrency": args.concurrency})
-        for r in cold_res["requests"]:
-            for h, slot in r["published"]:
-                directory[h] = (A, slot)
+        # 1. cold prompts on both sources: prefill, publish, report to the directory
+        cold_reqs = [{"id": f"c{i}", "tokens": t, "hashes": block_hashes(t, cacheable_blocks(len(t)), salt)}
+                     for i, t in enumerate(work.cold)]
+        if sizes:
+            cold_reqs.append({"id": "sweep", "tokens": work.sweep,
+                              "hashes": block_hashes(work.sweep, max(sizes), salt)})
+        cold_arg = {"mode": "cold", "requests": cold_reqs, "new_tokens": new, "concurrency": args.concurrency}
+        for source_proc in (ra, rc):
+            source_proc.send("batch", cold_arg)
+        cold = {rank: replicas[rank].reply(600.0) for rank in (A, C)}
+        directory: dict[int, dict[str, tuple[int, int]]] = {A: {}, C: {}}
+        source_digests: dict[int, dict[str, str]] = {A: {}, C: {}}
+        for rank, res in cold.items():
+            for r in res["requests"]:
+                for (h, slot), d in zip(r["published"], r["digests"]):
+                    directory[rank][h] = (rank, slot)
+                    source_digests[rank][h] = d
 
-        # 2. route warm requests: the longest cached prefix and who holds it
-        warm_reqs = []
-        for i, t in enumerate(warm):
-            owner, hits = lookup(directory, block_hashes(t, cacheable_blocks(len(t)), salt))
-            warm_reqs.append({"id": i, "tokens": t, "hits": hits, "source": owner})
-        base = {"requests": warm_reqs, "new_tokens": args.new_tokens, "concurrency": args.concurrency}
+        # 2. route warm requests: the longest cached prefix and who holds it; long prompts
+        #    share nothing and arrive among the warm ones
+        def routed(source: int | None) -> list[dict[str, Any]]:
+            reqs: list[dict[str, Any]] = []
+            for i, t in enumerate(work.warm):
+                _, hits = lookup(directory[A if source is None else source],
+                                 block_hashes(t, cacheable_blocks(len(t)), salt))
+                reqs.append({"id": f"w{i}", "tokens": t, "hits": hits, "source": source})
+            for k, t in enumerate(work.long):
+                at = (k + 1) * len(reqs) // (len(work.long) + 1)
+                reqs.insert(at, {"id": f"l{k}", "kind": "long", "tokens": t, "hits": [], "source": None})
+            return reqs
+        base = {"new_tokens": new, "concurrency": args.concurrency}
 
-        # 3. the reference: B recomputes every prefix itself (same chunks as A)
-        ref = rb.call("batch", {**base, "mode": "recompute"})
+        # 3. the reference: B recomputes every prefix itself
+        phases: dict[str, dict[str, Any]] = {}
+        phases["recompute"] = rb.call("batch", {**base, "mode": "recompute", "requests": routed(None)})
 
-        # 4. B loads the prefixes from A; some requests are cancelled mid-load
-        cancel = [(k + 1) * args.warm // (args.cancel + 1) for k in range(args.cancel)]
+        # 4. B loads the prefixes from A, then from C; some requests are cancelled mid-load
+        cancel = [f"w{(k + 1) * args.warm // (args.cancel + 1)}" for k in range(args.cancel)]
 
         def on_event(event: str) -> None:
             nonlocal killed
@@ -195,99 +294,194 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
                 killed = True
         if args.kill_source:
             ra.stop()  # frozen: B's first load stays in flight until A is killed
-        loaded = rb.call("batch", {**base, "mode": "load", "cancel": cancel,
-                                   "signal_loading": args.kill_source}, on_event=on_event)
+        phases["load"] = rb.call("batch", {**base, "mode": "load", "requests": routed(A), "cancel": cancel,
+                                           "signal_loading": args.kill_source}, on_event=on_event)
+        phases["trimmed"] = rb.call("batch", {**base, "mode": "load", "requests": routed(C), "cancel": cancel})
         # 5. the cancelled requests again: the cache they left behind must still serve right
-        again = rb.call("batch", {**base, "mode": "load",
-                                  "requests": [warm_reqs[i] for i in cancel]}) if cancel else \
-            {"requests": [], "wall_s": 0.0}
+        again: dict[str, dict[str, Any]] = {}
+        for key, source in (("load", A), ("trimmed", C)):
+            ids = {r["id"] for r in phases[key]["requests"] if r["cancelled"]}
+            reqs = [r for r in routed(source) if r["id"] in ids]
+            again[key] = rb.call("batch", {**base, "mode": "load", "requests": reqs}) if reqs else \
+                {"requests": [], "wall_s": 0.0}
+        metrics = {"A": None if killed else ra.call("metrics"), "B": rb.call("metrics"),
+                   "C": rc.call("metrics")}
 
-        metrics_a = None if killed else ra.call("metrics")
-        metrics_b = rb.call("metrics")
+        # 6. the break-even sweep: one request at a time, prefixes of n blocks
+        sweep: list[dict[str, Any]] = []
+        if sizes and not killed:
+            for n in sizes:
+                t = work.sweep[:n * BLOCK] + random.Random(n).choices(range(shape.vocab), k=SWEEP_SUFFIX)
+                hits = block_hashes(t, n, salt)
+                for rep in range(args.sweep_reps):
+                    req = {"id": f"s{n}.{rep}", "kind": "sweep", "tokens": t, "hits": hits}
+                    one = {"new_tokens": 1, "concurrency": 1}
+                    row: dict[str, Any] = {"blocks": n, "rep": rep}
+                    for key, _title, src in COLUMNS:
+                        mode = "recompute" if src is None else "load"
+                        time.sleep(SWEEP_SETTLE_S)  # every replica's poller idle again
+                        res = rb.call("batch", {**one, "mode": mode, "requests": [{**req, "source": src}]})
+                        row[key] = res["requests"][0]
+                    sweep.append(row)
     finally:
-        for r in replicas:
+        for r in replicas.values():
             r.close()
-    res = summarize(args, shape, cold_res, ref, loaded, again, metrics_a, metrics_b, killed)
-    # one GPU for both replicas (their timings are not the two-GPU ones) is said here
-    res.update(devices={"A": dev_a, "B": dev_b}, **gpu_facts(args.device))
+    res = summarize(args, shape, phases, again, source_digests, metrics, killed, sweep)
+    res["placement"] = {"A": devices[A], "B": devices[B], "C": devices[C], "note": where}
+    res["run_s"] = time.perf_counter() - t_start
     return res
 
 
-def summarize(args: argparse.Namespace, shape: ModelShape, cold_res: dict[str, Any], ref: dict[str, Any],
-              loaded: dict[str, Any], again: dict[str, Any], metrics_a: dict[str, Any] | None,
-              metrics_b: dict[str, Any], killed: bool) -> dict[str, Any]:
-    exact = shape.dtype == "float32" and args.device == "cpu"  # bit-exact claim: CPU float32 only
-    served = [r for r in loaded["requests"] if not r["cancelled"]] + again["requests"]
-    cancelled = [r for r in loaded["requests"] if r["cancelled"]]
+# -- checks and figures -------------------------------------------------------------------
+def check_answer(r: dict[str, Any], exact: bool, rtol: float, source: dict[str, str]) -> list[str]:
+    """Problems with one served request against the reference, and of its loaded blocks
+    against the source's bytes."""
     problems: list[str] = []
-    for r in served:
-        rid = r["id"]
-        tol = args.rtol * (r.get("max_abs_ref") or 0.0)
-        if exact and r["tokens_equal"] is not True:
-            problems.append(f"request {rid}: tokens differ from the recomputed reference")
-        if not exact and r["tokens_equal"] is None:
-            problems.append(f"request {rid}: no reference to compare with")
-        for step, margin in r.get("flips") or ():
-            if margin > tol:  # a choice the reference made clearly: it must be ours too
-                problems.append(f"request {rid}: token {step} differs where the reference led "
-                                f"by {margin:.4g} > tolerance {tol:.4g}")
-        if exact and r["logits_equal"] is not True:
-            problems.append(f"request {rid}: logits not bit-equal (max |diff| {r['max_abs_diff']})")
-        if not exact and r["max_abs_diff"] is not None \
-                and r["max_abs_diff"] > args.rtol * r["max_abs_ref"]:
-            problems.append(f"request {rid}: max |logit diff| {r['max_abs_diff']:.4g} > rtol {args.rtol} "
-                            f"x max |logit| {r['max_abs_ref']:.4g}")
-        if exact and r["loaded"] and r["kv_equal"] is not True:
+    rid = r["id"]
+    tol = rtol * (r.get("max_abs_ref") or 0.0)
+    if r.get("tokens_equal") is None:
+        problems.append(f"request {rid}: no reference to compare with")
+    elif exact and r["tokens_equal"] is not True:
+        problems.append(f"request {rid}: tokens differ from the recomputed reference")
+    for step, margin in r.get("flips") or ():
+        if margin > tol:  # a choice the reference made clearly: it must be ours too
+            problems.append(f"request {rid}: token {step} differs where the reference led "
+                            f"by {margin:.4g} > tolerance {tol:.4g}")
+    if exact and r.get("logits_equal") is False:
+        problems.append(f"request {rid}: logits not bit-equal (max |diff| {r['max_abs_diff']})")
+    if not exact and r.get("max_abs_diff") is not None and r["max_abs_diff"] > tol:
+        problems.append(f"request {rid}: max |logit diff| {r['max_abs_diff']:.4g} > rtol {rtol} "
+                        f"x max |logit| {r['max_abs_ref']:.4g}")
+    if r["loaded"]:
+        if exact and r.get("kv_equal") is not True:
             problems.append(f"request {rid}: loaded KV bytes differ from the recomputed ones")
-    missing = set(range(args.warm)) - {r["id"] for r in served}
-    if missing:
-        problems.append(f"warm requests {sorted(missing)[:8]} never answered")
+        if r["digests"] != [source.get(h) for h in r["hit_hashes"]]:
+            problems.append(f"request {rid}: loaded KV bytes differ from the source's")
+    return problems
 
+
+def _phase(reqs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    warm = [r for r in reqs if r.get("kind", "warm") == "warm" and "ttft_s" in r]
+    long = [r for r in reqs if r.get("kind") == "long" and "ttft_s" in r]
+    ttft = [r["ttft_s"] * 1e3 for r in warm]
+    gen = sum(len(r.get("tokens", ())) for r in reqs)
+    joined = [r["joined_s"] * 1e3 for r in warm if r["loaded"]]
+    return {"requests": len(warm), "ttft_ms": ttft, "ttft_p50_ms": percentile(ttft, 0.5),
+            "ttft_p95_ms": percentile(ttft, 0.95), "output_tokens": gen, "wall_s": wall,
+            "tokens_per_s": gen / wall if wall > 0 else float("nan"),
+            "long_ttft_ms": [r["ttft_s"] * 1e3 for r in long],
+            "long_ttft_mean_ms": statistics.fmean([r["ttft_s"] * 1e3 for r in long]) if long else float("nan"),
+            "load_p50_ms": percentile(joined, 0.5)}
+
+
+def summarize(args: argparse.Namespace, shape: ModelShape, phases: dict[str, dict[str, Any]],
+              again: dict[str, dict[str, Any]], source_digests: dict[int, dict[str, str]],
+              metrics: dict[str, Any], killed: bool, sweep: list[dict[str, Any]]) -> dict[str, Any]:
+    exact = shape.dtype == "float32" and args.device == "cpu"  # bit-exact claim: CPU float32 only
     block_bytes = shape.block_nbytes
-    blocks_loaded = sum(r["hits"] for r in served if r["loaded"])
-    blocks_cancelled = sum(r["hits"] for r in cancelled)
-    peer = (metrics_a or {}).get("peers", {}).get(B, {})
-    useful = peer.get("useful_bytes") if metrics_a else None
-    wire = peer.get("wire_bytes") if metrics_a else None
-    if useful is not None:
-        # a load cancelled mid-copy still moved its bytes (a started copy is finished)
-        lo, hi = blocks_loaded * block_bytes, (blocks_loaded + blocks_cancelled) * block_bytes
-        if not (lo <= useful <= hi and useful % block_bytes == 0):
-            problems.append(f"useful bytes {useful} not in [{lo}, {hi}] in whole blocks")
-        if wire is not None and wire < useful:
-            problems.append(f"wire bytes {wire} < useful bytes {useful}")
-    failures = [r for r in served if r["fallback"]]
+    problems: list[str] = []
+    ref = phases["recompute"]
+    hits_of = {r["id"]: r["hits"] for r in ref["requests"]}
+    expected = {r["id"] for r in ref["requests"]}
+    columns: dict[str, Any] = {}
+    all_served: list[dict[str, Any]] = []
+    # the reference's own prefixes: B's computed bytes equal A's (CPU float32: required)
+    rec_equal = sum(1 for r in ref["requests"] if r["hits"] and
+                    r["digests"] == [source_digests[A].get(h) for h in r["hit_hashes"]])
+    for key, _title, source in COLUMNS:
+        phase = phases[key]
+        if source is None:
+            served, cancelled = phase["requests"], []
+            wall = phase["wall_s"]
+        else:
+            served = [r for r in phase["requests"] if not r["cancelled"]] + again[key]["requests"]
+            cancelled = [r for r in phase["requests"] if r["cancelled"]]
+            wall = phase["wall_s"]
+            missing = expected - {r["id"] for r in served}
+            if missing:
+                problems.append(f"{key}: requests {sorted(missing)[:8]} never answered")
+            for r in served:
+                problems += [f"{key}: {p}" for p in check_answer(r, exact, args.rtol, source_digests[source])]
+            all_served += served
+        col = _phase([r for r in phase["requests"] if not r["cancelled"]], wall)
+        loaded = sum(r["hits"] for r in served if r["loaded"])
+        col.update(blocks_loaded=loaded,
+                   blocks_computed=sum(hits_of.get(r["id"], 0) for r in served if not r["loaded"]),
+                   failures=sum(1 for r in served if r["fallback"]),
+                   fallbacks=sorted({r["fallback"] for r in served if r["fallback"]}),
+                   cancelled=len(cancelled), blocks_cancelled=sum(r["hits"] for r in cancelled),
+                   steps=phase.get("steps"), rows=phase.get("rows"), served=served)
+        if source is not None:
+            m = metrics["A" if source == A else "C"]
+            peer = m.get("peers", {}).get(B, {}) if m else {}
+            useful, wire = peer.get("useful_bytes"), peer.get("wire_bytes")
+            col.update(useful_bytes=useful, wire_bytes=wire, batches=peer.get("batches_sent"),
+                       copies_full=peer.get("copies_full"), copies_small=peer.get("copies_small"),
+                       wire_over_useful=(wire / useful) if useful and wire is not None else None)
+            if useful is not None:
+                # a load cancelled mid-copy still moved its bytes (a started copy is finished)
+                lo, hi = loaded * block_bytes, (loaded + col["blocks_cancelled"]) * block_bytes
+                if not (lo <= useful <= hi and useful % block_bytes == 0):
+                    problems.append(f"{key}: useful bytes {useful} not in [{lo}, {hi}] in whole blocks")
+                if wire is not None and wire < useful:
+                    problems.append(f"{key}: wire bytes {wire} < useful bytes {useful}")
+        columns[key] = col
+    if exact and rec_equal != sum(1 for r in ref["requests"] if r["hits"]):
+        problems.append("recompute: B's computed prefix bytes differ from A's")
 
-    def phase(reqs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-        ttft = [r["ttft_s"] * 1e3 for r in reqs if "ttft_s" in r]
-        gen = sum(len(r.get("tokens", ())) for r in reqs)
-        return {"requests": len(reqs), "ttft_ms": ttft, "ttft_p50_ms": percentile(ttft, 0.5),
-                "ttft_p95_ms": percentile(ttft, 0.95), "output_tokens": gen, "wall_s": wall,
-                "tokens_per_s": gen / wall if wall > 0 else float("nan")}
-
-    load_phase = [r for r in loaded["requests"] if not r["cancelled"]]
+    sweep_res = summarize_sweep(sweep, exact, args.rtol, source_digests, problems, killed)
     return {
         "ok": not problems, "problems": problems,
         "options": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
-        "model": shape.as_dict(), "exact": exact,
-        "cold": phase(cold_res["requests"], cold_res["wall_s"]),
-        "recompute": phase(ref["requests"], ref["wall_s"]),
-        "load": phase(load_phase, loaded["wall_s"]),
-        "block_bytes": block_bytes, "blocks_loaded": blocks_loaded,
-        "blocks_recomputed": sum(r["hits"] for r in ref["requests"]),
-        "blocks_cancelled": blocks_cancelled, "useful_bytes": useful, "wire_bytes": wire,
-        "wire_over_useful": (wire / useful) if useful and wire is not None else None,
-        "load_failures": len(failures),
-        "fallbacks": sorted({r["fallback"] for r in failures}),
-        "cancelled": len(cancelled), "source_killed": killed,
-        "correct": sum(1 for r in served if r["tokens_equal"] is True),
-        "near_tie_flips": sum(len(r.get("flips") or ()) for r in served) if not exact else 0,
-        "teacher_forced": not exact,
-        "logits_bit_equal": sum(1 for r in served if r["logits_equal"] is True),
-        "max_abs_logit_diff": max((r["max_abs_diff"] or 0.0 for r in served), default=0.0),
-        "kv_bytes_equal": sum(1 for r in served if r["loaded"] and r["kv_equal"] is True),
-        "served": served, "metrics": {"A": metrics_a, "B": metrics_b},
+        "model": shape.as_dict(), "exact": exact, "teacher_forced": not exact,
+        "columns": columns, "block_bytes": block_bytes, "source_killed": killed,
+        "recompute_equal_source": rec_equal,
+        "correct": sum(1 for r in all_served if r.get("tokens_equal") is True),
+        "answers": len(all_served),
+        "near_tie_flips": sum(len(r.get("flips") or ()) for r in all_served),
+        "logits_bit_equal": sum(1 for r in all_served if r.get("logits_equal") is True),
+        "max_abs_logit_diff": max((r.get("max_abs_diff") or 0.0 for r in all_served), default=0.0),
+        "kv_loaded": sum(1 for r in all_served if r["loaded"]),
+        "kv_bytes_equal": sum(1 for r in all_served if r["loaded"] and r.get("kv_equal") is True),
+        "sweep": sweep_res, "metrics": metrics,
     }
+
+
+def summarize_sweep(sweep: list[dict[str, Any]], exact: bool, rtol: float,
+                    source_digests: dict[int, dict[str, str]], problems: list[str],
+                    killed: bool) -> dict[str, Any]:
+    """Median TTFT per prefix size and mode, and the break-even size per load mode."""
+    sizes = sorted({row["blocks"] for row in sweep})
+    rows = []
+    for n in sizes:
+        reps = [row for row in sweep if row["blocks"] == n]
+        out: dict[str, Any] = {"blocks": n, "tokens": n * BLOCK}
+        for key, _title, source in COLUMNS:
+            ttft = [rep[key]["ttft_s"] * 1e3 for rep in reps if "ttft_s" in rep[key]]
+            out[f"{key}_ms"] = statistics.median(ttft) if ttft else float("nan")
+            out[f"{key}_samples_ms"] = ttft
+            if source is not None:
+                for rep in reps:
+                    r = rep[key]
+                    problems += [f"sweep {key}: {p}" for p in check_answer(
+                        r, exact, rtol, source_digests[source])]
+                    if not r["loaded"]:
+                        problems.append(f"sweep {key}: request {r['id']} did not load ({r['fallback']})")
+        rows.append(out)
+    break_even = {key: break_even_blocks([(r["blocks"], r[f"{key}_ms"], r["recompute_ms"]) for r in rows])
+                  for key in ("load", "trimmed")} if rows else {}
+    return {"rows": rows, "break_even_blocks": break_even, "skipped": "source killed" if killed else None}
+
+
+def break_even_blocks(points: Sequence[tuple[int, float, float]]) -> int | None:
+    """The smallest measured prefix size (blocks) from which loading is faster than
+    recomputing at every larger size measured; ``None`` if recomputing wins at the largest."""
+    best: int | None = None
+    for n, load_ms, rec_ms in sorted(points, reverse=True):
+        if not load_ms < rec_ms:
+            break
+        best = n
+    return best
 
 
 # -- output -----------------------------------------------------------------------------
@@ -295,56 +489,130 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.2f} MiB"
 
 
-def table(res: dict[str, Any]) -> str:
-    rc, ld = res["recompute"], res["load"]
-    w = res["wire_over_useful"]
-    rows = [
-        ("", "recompute", "load from peer"),
-        ("warm requests", str(rc["requests"]), str(ld["requests"])),
-        ("TTFT p50", f"{rc['ttft_p50_ms']:.1f} ms", f"{ld['ttft_p50_ms']:.1f} ms"),
-        ("TTFT p95", f"{rc['ttft_p95_ms']:.1f} ms", f"{ld['ttft_p95_ms']:.1f} ms"),
-        ("throughput (output tokens/s)", f"{rc['tokens_per_s']:.1f}", f"{ld['tokens_per_s']:.1f}"),
-        ("prefix blocks", f"{res['blocks_recomputed']} computed",
-         f"{res['blocks_loaded']} loaded"),
-        ("useful bytes", "-", _mib(res["useful_bytes"])),
-        ("bytes on the wire", "-", _mib(res["wire_bytes"])),
-        ("wire / useful", "-", "-" if w is None else f"{w:.3f}"),
-        ("load failures (fell back)", "-", f"{res['load_failures']}"),
-        ("cancelled mid-load", "-", f"{res['cancelled']}"),
-    ]
-    width = [max(len(r[i]) for r in rows) for i in range(3)]
+def _grid(rows: list[tuple[str, ...]]) -> list[str]:
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(width[i]) if i == 0 else c.rjust(width[i]) for i, c in enumerate(r))
              for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def table(res: dict[str, Any]) -> str:
+    cols = [res["columns"][k] for k, _, _ in COLUMNS]
+
+    def row(label: str, fmt: Callable[[dict[str, Any], str], str]) -> tuple[str, ...]:
+        return (label, *(fmt(c, k) for c, (k, _, _) in zip(cols, COLUMNS)))
+
+    def copy(c: dict[str, Any], k: str) -> str:
+        if k == "recompute":
+            return "-"
+        if c.get("useful_bytes") is None:
+            return "n/a (source gone)"
+        return f"{_mib(c['wire_bytes'])} / {_mib(c['useful_bytes'])} ({c['wire_over_useful']:.3f}x)"
+    rows = [
+        ("", *(t for _, t, _ in COLUMNS)),
+        row("warm requests", lambda c, k: str(c["requests"])),
+        row("warm TTFT p50", lambda c, k: f"{c['ttft_p50_ms']:,.1f} ms"),
+        row("warm TTFT p95", lambda c, k: f"{c['ttft_p95_ms']:,.1f} ms"),
+        row("throughput (output tokens/s)", lambda c, k: f"{c['tokens_per_s']:,.1f}"),
+        row("prefix load p50 (request start to loaded)", lambda c, k: "-" if k == "recompute"
+            else f"{c['load_p50_ms']:,.1f} ms"),
+        row("cold long-prompt TTFT (mean)", lambda c, k: f"{c['long_ttft_mean_ms']:,.1f} ms"
+            if c["long_ttft_ms"] else "-"),
+        row("prefix blocks", lambda c, k: f"{c['blocks_loaded']} loaded" if k != "recompute"
+            else f"{c['blocks_computed']} computed"),
+        row("copy bytes / useful bytes", copy),
+        row("batches per tier", lambda c, k: "n/a until the snapshot store"),
+        row("failures (fell back to recompute)", lambda c, k: "-" if k == "recompute" else str(c["failures"])),
+        row("cancellations (mid-load)", lambda c, k: "-" if k == "recompute" else str(c["cancelled"])),
+        row("engine steps (rows per step)", lambda c, k: f"{c['steps']} ({c['rows'] / max(c['steps'], 1):.0f})"),
+    ]
+    lines = _grid(rows)
     m = res["model"]
+    o = res["options"]
     lines += ["", f"model: Qwen2 {m['layers']} layers, hidden {m['hidden']}, {m['kv_heads']} KV heads x "
-                  f"{m['head_dim']}, {m['dtype']}; block {m['block_nbytes']:,} B",
-              f"tokens equal to the recomputed reference: {res['correct']}/{len(res['served'])}"
-              f"{' (teacher-forced; near-tie flips ' + str(res['near_tie_flips']) + ')' if res['teacher_forced'] else ''}; "
-              f"logits bit-equal: {res['logits_bit_equal']}; max |logit diff| "
-              f"{res['max_abs_logit_diff']:.3g}; loaded blocks' KV bytes equal: {res['kv_bytes_equal']}",
-              "OK" if res["ok"] else "FAILED: " + "; ".join(res["problems"][:5])]
-    if res.get("note"):
-        lines.append(f"note: {res['note']}")
+                  f"{m['head_dim']}, {m['dtype']}, random weights; block {m['block_nbytes']:,} B; "
+                  f"{o['concurrency']} requests in flight, at most {o['step_tokens']} tokens per step",
+              f"workload: {o['warm']} warm requests sharing {o['prefix_blocks']}-block prefixes of "
+              f"{o['cold']} cold prompts, {o['long_prompts']} cold long prompts of "
+              f"{o['long_blocks']} blocks among them, {o['new_tokens']} tokens each",
+              f"where: {res['placement']['note']}"]
+    lines += ["", *sweep_table(res)]
+    checks = (f"answers equal to the recomputed reference: {res['correct']}/{res['answers']}"
+              + (f" (teacher-forced; near-tie flips {res['near_tie_flips']})" if res["teacher_forced"] else "")
+              + f"; logits bit-equal: {res['logits_bit_equal']}; max |logit diff| {res['max_abs_logit_diff']:.3g}; "
+              f"loaded KV bytes equal to recomputed: {res['kv_bytes_equal']}/{res['kv_loaded']}")
+    lines += ["", checks, "OK" if res["ok"] else "FAILED: " + "; ".join(res["problems"][:5])]
     return "\n".join(lines)
 
 
+def sweep_table(res: dict[str, Any]) -> list[str]:
+    sw = res["sweep"]
+    if not sw["rows"]:
+        return [f"break-even sweep: not run ({sw['skipped'] or '--sweep none'})"]
+    reps = res["options"]["sweep_reps"]
+    rows: list[tuple[str, ...]] = [("prefix (blocks / tokens)", "recompute", "load from peer",
+                                    "load, trimmed", "faster")]
+    for r in sw["rows"]:
+        best = min(("recompute", "load", "trimmed"), key=lambda k: r[f"{k}_ms"])
+        rows.append((f"{r['blocks']} / {r['tokens']}", f"{r['recompute_ms']:,.2f} ms",
+                     f"{r['load_ms']:,.2f} ms", f"{r['trimmed_ms']:,.2f} ms",
+                     {"recompute": "recompute", "load": "load", "trimmed": "load, trimmed"}[best]))
+    device = res["options"]["device"]
+    out = [f"break-even sweep: TTFT of one request alone, median of {reps}, {SWEEP_SUFFIX}-token suffix", ""]
+    out += _grid(rows)
+    for key, title in (("load", "load from peer"), ("trimmed", "load from peer, trimmed")):
+        n = sw["break_even_blocks"].get(key)
+        sizes = [r["blocks"] for r in sw["rows"]]
+        if n is None:
+            verdict = f"recomputing wins at {sizes[-1]} blocks (the largest measured)"
+        elif n == sizes[0]:
+            verdict = f"loading wins at every size measured (from {n} block{'s' if n > 1 else ''})"
+        else:
+            verdict = f"loading wins from {n} blocks ({n * BLOCK} tokens) up"
+        out.append(f"break-even on {device}, {title}: {verdict}")
+    return out
+
+
 def plot(res: dict[str, Any], path: str) -> None:
+    """TTFT distributions of the three columns, and the break-even sweep."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("recompute", "recompute prefix"), ("load", "load prefix from peer")):
-        v = sorted(res[key]["ttft_ms"])
+    sweep = res["sweep"]["rows"]
+    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(13 if sweep else 7.5, 5), squeeze=False)
+    ax = axes[0][0]
+    colors = {"recompute": "#1f77b4", "load": "#ff7f0e", "trimmed": "#2ca02c"}
+    for key, title, _ in COLUMNS:
+        c = res["columns"][key]
+        v = sorted(c["ttft_ms"])
         if v:
-            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=label)
-    ax.set_xlabel("time to first token (ms)")
+            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", color=colors[key],
+                    label=f"{title} (p50 {c['ttft_p50_ms']:,.0f} ms)")
+        for x in c["long_ttft_ms"]:
+            ax.axvline(x, color=colors[key], linestyle=":", alpha=0.7)
+    ax.set_xlabel("time to first token (ms); dotted: cold long prompts")
     ax.set_ylabel("fraction of warm requests")
-    m = res["model"]
-    ax.set_title(f"warm TTFT, Qwen2 {m['layers']}L {m['dtype']}, {res['options']['concurrency']} in flight")
+    m, o = res["model"], res["options"]
+    ax.set_title(f"Warm TTFT, Qwen2 {m['layers']}L {m['dtype']}, {o['device']}, {o['concurrency']} in flight")
     ax.legend()
+    if sweep:
+        ax2 = axes[0][1]
+        x = [r["blocks"] for r in sweep]
+        for key, title, _ in COLUMNS:
+            ax2.plot(x, [r[f"{key}_ms"] for r in sweep], marker="o", color=colors[key], label=title)
+        for key in ("load", "trimmed"):
+            n = res["sweep"]["break_even_blocks"].get(key)
+            if n is not None:
+                ax2.axvline(n, color=colors[key], linestyle="--", alpha=0.6)
+        ax2.set_xscale("log", base=2)
+        ax2.set_yscale("log")
+        ax2.set_xlabel("prefix (16-token blocks, log)")
+        ax2.set_ylabel("TTFT, one request alone (ms, log)")
+        ax2.set_title(f"Break-even: load vs recompute ({o['device']}; dashed: loading wins from here)")
+        ax2.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -357,43 +625,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (for ``python -m xavier_async.demo`` and ``xavier-async demo``)."""
     g = parser.add_argument_group("demo")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: small float32 model, both replicas on the CPU; cuda: the "
-                        "Qwen2.5-0.5B shape in BF16, replica A on cuda:0, B on cuda:1 (both on "
-                        "cuda:0 with one GPU, time-sliced)")
-    g.add_argument("--cold", type=_positive, help="cold prompts on replica A")
-    g.add_argument("--warm", type=_positive, help="warm requests on replica B")
+                   help="cpu: small float32 model, every replica on the CPU; cuda: the "
+                        "Qwen2.5-0.5B shape in BF16, sources on GPU 0, B on GPU 1 (on "
+                        "cuda:0 too when only one GPU is visible)")
+    g.add_argument("--model", choices=("small", "qwen2.5-0.5b"),
+                   help="model shape (default: small on cpu, qwen2.5-0.5b on cuda)")
+    g.add_argument("--layers", type=_positive, help="override the model's layer count")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="override the model's dtype (answers are compared bit for bit only in "
+                        "float32 on the CPU; otherwise teacher-forced, within --rtol)")
+    g.add_argument("--cold", type=_positive, help="cold prompts on the sources")
+    g.add_argument("--warm", type=_positive, help="warm requests on replica B, per column")
     g.add_argument("--prefix-blocks", type=_positive, help="16-token blocks each warm request shares")
     g.add_argument("--suffix-tokens", type=_positive, help="longest own suffix of a warm request")
     g.add_argument("--new-tokens", type=_positive, help="tokens decoded per request")
+    g.add_argument("--long-prompts", type=_non_negative,
+                   help="cold long prompts among the warm requests (the cold long-prompt row)")
+    g.add_argument("--long-blocks", type=_positive, help="16-token blocks of a cold long prompt")
     g.add_argument("--concurrency", type=_positive, default=16, help="requests in flight at once")
-    g.add_argument("--cancel", type=_non_negative, default=2, help="warm requests cancelled mid-load")
-    g.add_argument("--prefill-chunk", type=_positive, default=512,
-                   help="prefill chunk in tokens (a multiple of 16)")
-    g.add_argument("--layers", type=_positive, help="override the model's layer count")
+    g.add_argument("--step-tokens", type=_positive,
+                   help="token budget of one engine step (decode tokens + prefill chunks)")
+    g.add_argument("--cancel", type=_non_negative, default=2,
+                   help="warm requests cancelled mid-load, per load column")
+    g.add_argument("--sweep", metavar="SIZES",
+                   help="break-even sweep: prefix sizes in blocks, comma-separated, or 'none' "
+                        "(default 1,2,4,...,256)")
+    g.add_argument("--sweep-reps", type=_positive, help="runs per sweep size and mode (the median is shown)")
     g.add_argument("--seed", type=int, default=0, help="weights and workload seed")
     g.add_argument("--threads", type=_positive, default=1, help="torch threads per replica")
-    g.add_argument("--trimmed", action="store_true", help="move only the payload (EndpointConfig(trimmed=True))")
     g.add_argument("--rtol", type=float, default=2 ** -5,
                    help="BF16 only: largest |logit difference| accepted (teacher-forced), relative "
                         "to the request's largest |logit| (2**-5: eight BF16 steps there), and the "
                         "margin below which the reference's choice counts as a near-tie")
-    g.add_argument("--model", choices=("small", "qwen2.5-0.5b"),
-                   help="model shape (default: small on cpu, qwen2.5-0.5b on cuda)")
     g.add_argument("--kill-source", action="store_true",
-                   help="failure injection: SIGKILL replica A while B's loads are in flight")
+                   help="failure injection: SIGKILL source A while B's loads are in flight")
     g.add_argument("--start-timeout", type=float, default=300.0, help="seconds a replica may take to start")
     g.add_argument("--json", metavar="PATH", help="write every figure and check as JSON")
-    g.add_argument("--plot", metavar="PATH", help="write a TTFT plot (needs matplotlib: the bench extra)")
+    g.add_argument("--plot", metavar="PATH", help="write a PNG of the TTFT distributions and the "
+                                                  "sweep (needs matplotlib: the bench extra)")
 
 
 def fill_defaults(args: argparse.Namespace) -> None:
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    if args.prefill_chunk % BLOCK:
-        raise DemoError(f"--prefill-chunk must be a multiple of {BLOCK}, got {args.prefill_chunk}")
     if args.cancel >= args.warm:
         raise DemoError(f"--cancel ({args.cancel}) must be below --warm ({args.warm})")
+    if args.step_tokens < args.concurrency:
+        raise DemoError(f"--step-tokens ({args.step_tokens}) must fit one decode token of each "
+                        f"request in flight (--concurrency {args.concurrency})")
+    sweep_sizes(args)
 
 
 def shape_of(args: argparse.Namespace) -> ModelShape:
@@ -401,6 +682,8 @@ def shape_of(args: argparse.Namespace) -> ModelShape:
     shape = QWEN25_05B if name == "qwen2.5-0.5b" else SMALL
     if getattr(args, "layers", None):
         shape = ModelShape(**{**asdict(shape), "layers": args.layers})
+    if getattr(args, "dtype", None):
+        shape = ModelShape(**{**asdict(shape), "dtype": args.dtype})
     return shape
 
 
@@ -415,7 +698,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         from ..testing.devices import peer_device
         try:
-            peer_device(1, "cuda")  # one replica per GPU; both on the one GPU there is
+            peer_device(1, "cuda")  # one replica per GPU; all on the one GPU there is
         except RuntimeError as exc:
             print(f"--device cuda: {exc}", file=sys.stderr)
             return 2

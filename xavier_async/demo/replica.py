@@ -1,19 +1,26 @@
-"""One serving replica of the demo, in its own process: a :class:`~xavier_async.demo.model.Runner`
-(model + paged KV cache) and one :class:`~xavier_async.Endpoint` over NIXL whose caches are
-the runner's slot tensors.
+"""One serving replica of the demo, in its own process: a
+:class:`~xavier_async.demo.model.PagedModel` (model + paged KV cache), an
+:class:`~xavier_async.demo.engine.Engine` that runs batched steps on one model thread, and
+one :class:`~xavier_async.Endpoint` over NIXL whose caches are the model's slot tensors.
 
 The driver sends it batches of requests over a pipe. Each request is an async task (at
-most ``concurrency`` at once); model forwards run in ONE dedicated thread (one device, one
-forward at a time, and on CUDA one cuBLAS handle and one stream, so results do not depend
-on which thread ran a call), so loads of some requests overlap the forwards of others.
-Three request modes:
+most ``concurrency`` at once) that takes its slots, fills what it can of its prefix and
+then joins the engine, which batches it with every other request in flight. The model
+thread is one dedicated thread (one device, and on CUDA one cuBLAS handle and one
+stream), so while a step runs the event loop keeps driving transfers. Three modes:
 
-* ``cold``: prefill the prompt's full blocks into slots, **publish** them, decode.
+* ``cold``: prefill the whole prompt, **publish** its full blocks once they are
+  computed, decode.
 * ``load``: the driver found ``hits`` (a prefix of block hashes) on peer ``source``:
-  **load** them into fresh slots, build the model's cache from those slots, prefill only
-  the rest, decode; on any :class:`~xavier_async.XavierError` recompute the prefix instead.
-* ``recompute``: prefill the same prefix blocks locally (same chunking as the owner), then
-  the same steps. This is the reference every ``load`` request is compared against.
+  **load** them into the request's first slots, then join the engine with that prefix
+  computed; on any :class:`~xavier_async.XavierError` join with nothing computed instead
+  (recompute).
+* ``recompute``: join with nothing computed. This is the reference every ``load``
+  request is compared against.
+
+Nothing that checks an answer runs before the batch's last token: digests of the KV
+blocks (copied aside when a request finishes) and comparisons with the reference run
+after the timed part, and the reply carries both.
 """
 
 from __future__ import annotations
@@ -22,14 +29,23 @@ import concurrent.futures
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 import torch
 
 from ..testing.child import send_error, serve_commands
-from .model import BLOCK, ModelShape, Runner
+from .engine import Engine, Request
+from .model import (
+    BLOCK,
+    ModelShape,
+    PagedModel,
+    StepItem,
+    StepResult,
+    block_digests,
+    blocks_for,
+)
 
 T = TypeVar("T")
 
@@ -37,24 +53,22 @@ T = TypeVar("T")
 class Replica:
     """The request handling of one replica (runs on the replica's event loop)."""
 
-    def __init__(self, runner: Runner, endpoint: Any, conn: Connection, chunk_tokens: int) -> None:
-        self.runner = runner
+    def __init__(self, model: PagedModel, endpoint: Any, conn: Connection, step_tokens: int) -> None:
+        self.model = model
         self.ep = endpoint
         self.conn = conn
-        self.chunk = chunk_tokens
         #: float32 on the CPU is compared bit for bit (free-running); BF16 with tolerance
-        self.exact = runner.shape.torch_dtype == torch.float32 and runner.device.type == "cpu"
+        self.exact = model.invariant
         self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
-        #: request id -> (tokens, logits) of the recompute path (the reference)
-        self.reference: dict[int, tuple[list[int], torch.Tensor]] = {}
-        #: block hash -> digest of the bytes this replica computed for it
-        self.block_digest: dict[str, str] = {}
+        self.engine = Engine(self._step, step_tokens)
+        #: request id -> (tokens, logits, prefix block digests) of the recompute path
+        self.reference: dict[str, tuple[list[int], torch.Tensor, list[str]]] = {}
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:
         # worker threads start on the default CUDA device: make ours current there
-        if self.runner.device.type == "cuda":
-            with torch.cuda.device(self.runner.device):
+        if self.model.device.type == "cuda":
+            with torch.cuda.device(self.model.device):
                 yield
         else:
             yield
@@ -66,21 +80,25 @@ class Replica:
         return self._model_thread.submit(call)
 
     async def _model(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a model call on the model thread; a cancelled caller still waits for it."""
+        """Run a call on the model thread; a cancelled caller still waits for it."""
         import anyio
         return await anyio.to_thread.run_sync(self._submit(fn, *args).result)
 
-    def warm_up(self) -> None:
-        """One small prefill + decode, so the first timed request pays no start-up cost."""
-        slots = self.runner.kv.alloc(2)
-        tokens = list(range(2 * BLOCK + 3))
+    async def _step(self, items: list[StepItem]) -> StepResult:
+        return await self._model(self.model.step, items)
 
-        def run() -> None:
-            self.runner.prefill_blocks(tokens, slots, self.chunk)
-            cache, first = self.runner.first_token(tokens, slots)
-            self.runner.decode(cache, first, len(tokens), 2)
-        self._submit(run).result()
-        self.runner.kv.release(slots)
+    async def warm_up(self) -> None:
+        """One request through the engine, as long as a full step (or as the free slots
+        allow), prefill and decode, so the first timed request pays no start-up cost
+        (kernel selection for the largest shapes, on the GPU)."""
+        kv, vocab = self.model.kv, self.model.shape.vocab
+        n = max(min(self.engine.step_tokens, (kv.free_slots - 1) * BLOCK - 2), 2 * BLOCK)
+        tokens = [t % vocab for t in range(n + 1)]
+        slots = kv.alloc(blocks_for(len(tokens), 2))
+        try:
+            await self.engine.generate(Request("warm-up", tokens, slots, 2))
+        finally:
+            self.model.kv.release(slots)
 
     # -- one batch of requests ------------------------------------------------------------
     async def run_batch(self, arg: dict[str, Any]) -> dict[str, Any]:
@@ -89,12 +107,12 @@ class Replica:
         cancel = set(arg.get("cancel", ()))
         gate = anyio.Semaphore(int(arg.get("concurrency", 16)))
         first_load = anyio.Event()
-        results: list[dict[str, Any]] = []
+        done: dict[int, tuple[dict[str, Any], Request | None]] = {}
 
-        async def one(req: dict[str, Any]) -> None:
+        async def one(i: int, req: dict[str, Any]) -> None:
             async with gate:
-                results.append(await self._request(req, mode, arg["new_tokens"],
-                                                   req["id"] in cancel, first_load, tg))
+                done[i] = await self._request(req, mode, int(arg["new_tokens"]),
+                                              str(req["id"]) in cancel, first_load, tg)
 
         async def signal_loading() -> None:
             # failure injection: tell the driver that a load is in flight (it then kills the source)
@@ -102,16 +120,20 @@ class Replica:
             await anyio.sleep(0.2)
             self.conn.send(("event", "loading"))
 
+        steps, rows = self.engine.steps, self.engine.rows
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
             if arg.get("signal_loading"):
                 tg.start_soon(signal_loading)
             async with anyio.create_task_group() as reqs:
-                for req in arg["requests"]:
-                    reqs.start_soon(one, req)
+                for i, req in enumerate(arg["requests"]):
+                    reqs.start_soon(one, i, req)
             tg.cancel_scope.cancel()
-        return {"wall_s": time.perf_counter() - t0,
-                "requests": sorted(results, key=lambda r: int(r["id"]))}
+        wall = time.perf_counter() - t0
+        # the timed part ends here: the checks below cost nothing a request waited for
+        results = [self._check(out, r) for out, r in (done[i] for i in sorted(done))]
+        return {"wall_s": wall, "steps": self.engine.steps - steps, "rows": self.engine.rows - rows,
+                "requests": results}
 
     @staticmethod
     async def _cancel_soon(scope: Any) -> None:
@@ -120,87 +142,103 @@ class Replica:
         scope.cancel()
 
     async def _request(self, req: dict[str, Any], mode: str, new_tokens: int, cancel: bool,
-                       first_load: Any, side: Any) -> dict[str, Any]:
+                       first_load: Any, side: Any) -> tuple[dict[str, Any], Request | None]:
         import anyio
 
-        from ..errors import XavierError
-        kv = self.runner.kv
+        from .. import ALL_LAYERS, XavierError
+        kv = self.model.kv
+        rid = str(req["id"])
         tokens: list[int] = req["tokens"]
-        hashes: list[str] = req["hashes"] if mode == "cold" else req["hits"]
-        out: dict[str, Any] = {"id": req["id"], "mode": mode, "hits": len(hashes), "loaded": False,
+        hashes: list[str] = req["hashes"] if mode == "cold" else req.get("hits", [])
+        out: dict[str, Any] = {"id": rid, "mode": mode, "kind": req.get("kind", "warm"),
+                               "hits": 0 if mode == "cold" else len(hashes),
+                               "hit_hashes": [] if mode == "cold" else list(hashes), "loaded": False,
                                "fallback": None, "cancelled": False}
         t0 = time.perf_counter()
-        slots = kv.alloc(len(hashes))
+        slots = kv.alloc(blocks_for(len(tokens), new_tokens))
         keep = False
+        computed = 0
         try:
             if mode == "load" and hashes:
-                request = {req["source"]: {layer: dict(zip(hashes, slots)) for layer in kv.caches}}
+                request = {req["source"]: {ALL_LAYERS: dict(zip(hashes, slots))}}
                 try:
                     with anyio.CancelScope() as scope:
                         if cancel:  # cancelled mid-load: the load is under way when this fires
                             side.start_soon(self._cancel_soon, scope)
                         first_load.set()
                         await self.ep.load(request)
-                    out["loaded"] = not scope.cancelled_caught
                     if scope.cancelled_caught:
                         out["cancelled"] = True
                         out["latency_s"] = time.perf_counter() - t0
-                        return out
-                except XavierError as exc:
+                        return out, None
+                    out["loaded"] = True
+                    computed = len(hashes) * BLOCK
+                except XavierError as exc:  # the slots hold garbage: recompute them
                     out["fallback"] = type(exc).__name__
-            if not out["loaded"]:
-                await self._model(self.runner.prefill_blocks, tokens, slots, self.chunk)
+            out["joined_s"] = time.perf_counter() - t0
+            forced = None
+            if mode == "load" and not self.exact:
+                # BF16: decode on the reference's tokens (teacher forcing), so that one step's
+                # near-tie cannot turn every later step into a different continuation
+                forced = self.reference.get(rid, (None,))[0]
+            publish: Callable[[], None] | None = None
             if mode == "cold":
-                for h, slot in zip(hashes, slots):
-                    self.ep.publish(h, slot)  # after prefill: peers may load these blocks now
+                def publish() -> None:  # once computed: peers may load these blocks now
+                    for h, slot in zip(hashes, slots):
+                        self.ep.publish(h, slot)
                 out["published"] = list(zip(hashes, slots))
                 keep = True
-            digests = await self._model(lambda: [kv.digest(s) for s in slots])
-            cache, first = await self._model(self.runner.first_token, tokens, slots)
-            out["ttft_s"] = time.perf_counter() - t0
-            # BF16: decode on the reference's tokens (teacher forcing), so that one step's
-            # near-tie cannot turn every later step into a different continuation
-            forced = self.reference.get(req["id"], (None, None))[0] \
-                if mode == "load" and not self.exact else None
-            gen, logits = await self._model(self.runner.decode, cache, first, len(tokens),
-                                            new_tokens, forced)
-            out["latency_s"] = time.perf_counter() - t0
-            out["tokens"] = gen
-            if mode == "recompute":
-                self.reference[req["id"]] = (gen, logits)
-                self.block_digest.update(zip(hashes, digests))
-            elif mode == "load":
-                out.update(self._compare(req["id"], gen, logits))
-                known = [self.block_digest.get(h) for h in hashes]
-                out["kv_equal"] = all(k == d for k, d in zip(known, digests)) if None not in known else None
-            return out
+            r = Request(rid, tokens, slots, new_tokens, computed=computed, forced=forced,
+                        ready_blocks=len(hashes) if publish else 0, on_ready=publish,
+                        snapshot_blocks=len(hashes), arrival=t0)
+            await self.engine.generate(r)
+            assert r.first_token_at is not None and r.finished_at is not None
+            out["ttft_s"] = r.first_token_at - t0
+            out["latency_s"] = r.finished_at - t0
+            return out, r
         finally:
             if not keep:
                 kv.release(slots)
 
-    def _compare(self, rid: int, gen: list[int], logits: torch.Tensor) -> dict[str, Any]:
+    # -- after the timed part --------------------------------------------------------------
+    def _check(self, out: dict[str, Any], r: Request | None) -> dict[str, Any]:
+        """Digests of the request's prefix blocks and the comparison with the reference."""
+        if r is None:
+            return out
+        digests = block_digests(r.snapshot) if r.snapshot is not None else []
+        logits = torch.stack(r.logits)
+        out.update(tokens=list(r.out), steps=r.steps, digests=digests)
+        if out["mode"] == "recompute":
+            self.reference[r.rid] = (list(r.out), logits, digests)
+        elif out["mode"] == "load":
+            out.update(self._compare(r.rid, r.out, logits))
+            ref = self.reference.get(r.rid)
+            out["kv_equal"] = (digests == ref[2]) if out["loaded"] and ref is not None else None
+        return out
+
+    def _compare(self, rid: str, gen: Sequence[int], logits: torch.Tensor) -> dict[str, Any]:
         ref = self.reference.get(rid)
         if ref is None:
             return {"tokens_equal": None, "logits_equal": None, "max_abs_diff": None}
-        ref_gen, ref_logits = ref
-        diff = float((logits - ref_logits).abs().max())
-        top2 = ref_logits.topk(2, dim=-1).values
+        ref_gen, ref_logits, _ = ref
+        a, b = logits.float(), ref_logits.float()
+        diff = float((a - b).abs().max())
+        top2 = b.topk(2, dim=-1).values
         margins = (top2[:, 0] - top2[:, 1]).tolist()  # the reference's lead of its choice
-        return {"tokens_equal": gen == ref_gen,
+        return {"tokens_equal": list(gen) == ref_gen,
                 "logits_equal": bool(torch.equal(logits, ref_logits)),
                 "max_abs_diff": diff,
-                "max_abs_ref": float(ref_logits.abs().max()),
+                "max_abs_ref": float(b.abs().max()),
                 # steps where we chose otherwise, with the reference's margin there
-                "flips": [(i, margins[i]) for i, (a, b) in enumerate(zip(gen, ref_gen)) if a != b]}
+                "flips": [(i, margins[i]) for i, (x, y) in enumerate(zip(gen, ref_gen)) if x != y]}
 
 
 def deterministic_cuda() -> None:
-    """Make the model's CUDA math reproducible run to run: cuBLAS with a fixed workspace
-    (needed once work may run on more than one stream or handle), deterministic kernels where
-    torch has them, and BF16/FP16 matmuls without reduced-precision reductions. Called
-    before the first cuBLAS call of the process."""
+    """Make the model's CUDA math reproducible where it can be: cuBLAS with a fixed
+    workspace, and BF16/FP16 matmuls without reduced-precision reductions. Called before
+    the first cuBLAS call of the process. (Batched steps still change shapes run to run,
+    so BF16 answers are compared with a tolerance.)"""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
 
@@ -210,32 +248,34 @@ def replica_main(conn: Connection, spec: dict[str, Any]) -> None:
     try:
         import anyio
 
-        from .. import Endpoint, EndpointConfig
-        from ..transports import NixlTransport
+        from .. import Endpoint, EndpointConfig, NixlTransport
 
-        torch.set_num_threads(int(spec["threads"]))  # the same on both replicas: same CPU math
+        torch.set_num_threads(int(spec["threads"]))  # the same on all replicas: same CPU math
         device = torch.device(spec["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
             deterministic_cuda()
         shape = ModelShape(**spec["shape"])
-        runner = Runner(shape, int(spec["seed"]), device, int(spec["num_slots"]))
+        model = PagedModel(shape, int(spec["seed"]), device, int(spec["num_slots"]))
     except BaseException as exc:
         send_error(conn, exc)
         return
 
     async def main() -> None:
         config = EndpointConfig(trimmed=bool(spec["trimmed"]))
-        async with Endpoint(int(spec["rank"]), runner.kv.caches, NixlTransport(), config) as ep:
-            replica = Replica(runner, ep, conn, int(spec["chunk_tokens"]))
-            replica.warm_up()
-            conn.send(("ok", ep.address))
+        async with Endpoint(int(spec["rank"]), model.kv.caches, NixlTransport(), config) as ep:
+            replica = Replica(model, ep, conn, int(spec["step_tokens"]))
 
             async def metrics(_: Any) -> dict[str, Any]:
                 return ep.snapshot_metrics()
 
-            await serve_commands(conn, {"connect": ep.connect, "batch": replica.run_batch,
-                                        "metrics": metrics})
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(replica.engine.serve)
+                await replica.warm_up()
+                conn.send(("ok", ep.address))
+                await serve_commands(conn, {"connect": ep.connect, "batch": replica.run_batch,
+                                            "metrics": metrics})
+                tg.cancel_scope.cancel()
 
     try:
         anyio.run(main)
