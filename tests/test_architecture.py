@@ -16,9 +16,9 @@ PKG = Path(__file__).resolve().parent.parent / "xavier_async"
 #: module (dotted, relative to the package) -> layer
 LAYERS = {
     "core": ["errors", "_checks", "sizes", "policy", "lifecycle", "config", "layout", "planning",
-             "merging", "protocol", "decision", "retry", "metrics", "stages", "diagram"],
+             "merging", "protocol", "decision", "snapshot_index", "retry", "metrics", "stages", "diagram"],
     "shell": ["shielded", "slabs", "fairpool", "recvslabs", "tasks", "packing", "_triton_runs",
-              "channel", "runtime", "peers", "scheduling", "receiver", "source", "endpoint",
+              "channel", "runtime", "peers", "snapshots", "scheduling", "receiver", "source", "endpoint",
               "_internal", "__init__"],
     "transports": ["transports"],
     "testing": ["testing"],

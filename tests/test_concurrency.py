@@ -24,6 +24,8 @@ anyio_test = pytest.mark.anyio   # the in-process tests run on asyncio and trio
 
 SLOTS = 128
 K, S = 4, 4
+#: the snapshot store's tiers (device and host), each registered once at start
+T = 2
 CFG = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB)   # default pools: K = S = 4
 SMALL = [0]                       # one 1 KiB block: fits the small view
 LARGE = [0, 1, 2, 3, 4, 5]        # six blocks: a large batch
@@ -112,13 +114,13 @@ async def test_many_loads_in_flight_from_two_sources_every_byte_checked():
 
 @anyio_test
 async def test_one_slab_each_way_is_the_one_batch_at_a_time_design():
-    """K = S = 1: two registrations per endpoint, one batch in flight at a time, and
+    """K = S = 1: two slab registrations per endpoint (and the store's tiers), one batch in flight at a time, and
     concurrent loads still all complete with the right bytes (they queue)."""
     cs = caches(3)
     one = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=1, send_slabs=1)
     async with cluster(cs, one) as (a, b, c):
         publish(b, c)
-        assert all(ep.transport.memory_registrations == 2 for ep in (a, b, c))
+        assert all(ep.transport.memory_registrations == 2 + T for ep in (a, b, c))
         rng = random.Random(2)
         requests = [req(1 + i % 2, rng.sample(range(SLOTS), 1 if i % 3 else len(LARGE)), slot0=6 * i)
                     for i in range(16)]
@@ -129,7 +131,7 @@ async def test_one_slab_each_way_is_the_one_batch_at_a_time_design():
             assert a.recv_slab_stats["in_use"] == 1
         for r in requests:
             check(cs[0], cs, r)
-        assert all(ep.transport.memory_registrations == 2 for ep in (a, b, c))
+        assert all(ep.transport.memory_registrations == 2 + T for ep in (a, b, c))
 
 
 @anyio_test
@@ -381,8 +383,8 @@ async def test_registrations_are_s_plus_k_at_start_and_none_after_warm_up():
     async with cluster(cs, CFG) as (a, b, c):
         publish(b, c)
         for ep in (a, b, c):
-            assert ep.transport.memory_registrations == S + K
-            assert ep.recv_slab_stats["registered_at_start"] == S + K
+            assert ep.transport.memory_registrations == S + K + T
+            assert ep.recv_slab_stats["registered_at_start"] == S + K + T
         rng = random.Random(1)
         for _ in range(5):
             requests = [req(1 + i % 2, rng.sample(range(SLOTS), rng.choice([1, 1, 6])), slot0=6 * i)
@@ -393,7 +395,7 @@ async def test_registrations_are_s_plus_k_at_start_and_none_after_warm_up():
             for r in requests:
                 check(cs[0], cs, r)
         for ep in (a, b, c):
-            assert ep.transport.memory_registrations == S + K
+            assert ep.transport.memory_registrations == S + K + T
             assert ep.recv_slab_stats["registered_since_start"] == 0
         for ep in (b, c):   # view mappings: at most one per (send slab, view, receive slab)
             assert ep.metrics.peer(0).registrations <= S * 2 * K

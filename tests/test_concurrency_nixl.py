@@ -21,6 +21,7 @@ from xavier_async.transports.nixl import NixlTransport  # noqa: E402
 from .conftest import KiB  # noqa: E402
 
 K, S = 4, 4   # the default pools
+T = 2         # the snapshot store's tiers, registered once at start
 
 #: XAVIER_TEST_DEVICE=cuda: the loader on GPU 0, both sources on GPU 1 (as in test_nixl_process;
 #: with one GPU all on it: testing.devices.peer_device)
@@ -38,7 +39,7 @@ SEED = 13
 async def test_nixl_many_loads_in_flight_from_two_processes(capped):
     """16 concurrent loads (small and large) at a time from two source processes, whose
     writes are slowed so that copies overlap (and batches that wait for a slab are
-    merged); every block checked; S + K registrations on every endpoint and none after
+    merged); every block checked; S + K (+ the store's tiers) registrations on every endpoint and none after
     the warm-up. Capped (``small_round_trips=1``): never more than one small round trip
     per source in flight, and the waiting small batches merge."""
     expected = {r: pattern_caches(SPEC, r, SEED) for r in (1, 2)}
@@ -51,7 +52,7 @@ async def test_nixl_many_loads_in_flight_from_two_processes(capped):
         async with Endpoint(0, local, NixlTransport(), cfg) as ep:
             for p in procs:
                 await ep.connect(p.address)
-            assert ep.transport.memory_registrations == S + K
+            assert ep.transport.memory_registrations == S + K + T
             rng = random.Random(3)
             peak = lanes_peak = 0
 
@@ -81,11 +82,11 @@ async def test_nixl_many_loads_in_flight_from_two_processes(capped):
                 outer.cancel_scope.cancel()
             assert peak >= 2, peak                  # loads really were in flight together
             assert lanes_peak == (1 if capped else 0), lanes_peak   # the cap, held to
-            assert ep.transport.memory_registrations == S + K
+            assert ep.transport.memory_registrations == S + K + T
             merged = 0
             for p in procs:
                 m = await anyio.to_thread.run_sync(p.call, "metrics", None)
-                assert m["memory_registrations"] == S + K
+                assert m["memory_registrations"] == S + K + T
                 mine = ep.metrics.peer(p.spec.rank)
                 # 32 batches from each source: each its own copy, or merged into another's
                 assert m["total"]["batches_sent"] == mine.batches_received

@@ -257,7 +257,8 @@ async def test_finding1_a_healthy_source_never_returns_wrong_bytes_after_kill_an
     for name, out in (("the faulted sources", r.faulted), ("rank 3", r.sequential), ("rank 3", r.after)):
         assert not out.untyped and not out.hung, f"{name}: {out}"
     assert r.healthy_ok >= 100, _summary(r)    # the healthy source really was loaded from
-    assert r.registrations == r.stats["send_slabs"] + r.stats["registered"], _summary(r)
+    assert r.registrations == (r.stats["send_slabs"] + r.stats["registered"]
+                               + r.stats["snapshot_tiers"]), _summary(r)
 
 
 async def test_finding1_the_frozen_source_resumes_and_serves_its_stale_requests():
@@ -276,7 +277,8 @@ async def test_finding1_the_frozen_source_resumes_and_serves_its_stale_requests(
                       ("ranks 2 and 3", r.after)):
         assert not out.untyped and not out.hung, f"{name}: {out}"
     assert r.healthy_ok >= 100, _summary(r)
-    assert r.registrations == r.stats["send_slabs"] + r.stats["registered"], _summary(r)
+    assert r.registrations == (r.stats["send_slabs"] + r.stats["registered"]
+                               + r.stats["snapshot_tiers"]), _summary(r)
 
 
 async def _wait_for(ep: Endpoint, stat: str, value: int, what: str) -> None:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xavier_async.layout import SEGMENT_ALIGN, CacheLayout
-from xavier_async.merging import LoadGroup, Member, MergedBatch, own_copy
+from xavier_async.merging import LoadGroup, Member, MergedBatch, own_copy, Moved
 from xavier_async.planning import Planner, segments_from_wire
 from xavier_async.errors import PeerLostError
 
@@ -110,7 +110,7 @@ def test_shares_and_failures_reach_every_member_once():
     planner = Planner(layout, 1024)
     group = LoadGroup(1, False, 1024)
     small, big = group.add(planner.plan({1: {0: {1: 1}}})[0]), group.add(planner.plan({1: {0: {2: 2, 3: 3, 4: 4}}})[0])
-    group.share(1024)
+    group.share(Moved(1024))
     assert (small.wire_bytes, big.wire_bytes) == (256, 768) and small.settled and big.settled
     group.fail(PeerLostError("late"))                                       # already settled: kept
     assert small.error is None and big.error is None

@@ -232,8 +232,8 @@ async def test_close_deregisters_and_peer_notices(child):
         await ep.connect(child.address)
         await _load_checked(ep, _req(1, [3]))
         t = ep.transport
-        cfg = ep.config  # every slab of both pools, registered once
-        assert isinstance(t, NixlTransport) and len(t._reg) == cfg.send_slabs + cfg.receive_slabs
+        cfg = ep.config  # every slab of both pools and the snapshot tiers, registered once
+        assert isinstance(t, NixlTransport) and len(t._reg) == cfg.send_slabs + cfg.receive_slabs + ep.recv_slab_stats["snapshot_tiers"]
     assert t._reg == [] and t._peers == {}
     # the child dropped us: a new parent with the same rank can connect again
     async with await _parent() as ep2:

@@ -156,13 +156,18 @@ async def test_a_key_unpublished_while_its_serve_waits_is_not_served():
         assert torch.equal(dst[0][6], torch.zeros(64, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("store", [True, False], ids=["snapshot_store", "live_slots"])
 @pytest.mark.parametrize("inline", [False, True], ids=["queued", "inline"])
-async def test_a_pack_failure_is_a_transfer_error_and_the_source_keeps_serving(monkeypatch, inline):
+async def test_a_pack_failure_is_a_transfer_error_and_the_source_keeps_serving(monkeypatch, inline,
+                                                                               store):
     """Anything raised while packing (a CUDA out-of-memory, a kernel error) after the
-    machine advanced: the loader gets a TransferError at once (not a timeout), the
-    channel starts over with no stale mapping, and the next loads are served."""
+    machine advanced, from the snapshot store or from the live slots: the loader gets a
+    TransferError at once (not a timeout), the channel starts over with no stale
+    mapping, and the next loads are served."""
     import xavier_async.source as endpoint_module
-    real_pack = endpoint_module.pack
+    from xavier_async.snapshots import SnapshotStore
+    owner = SnapshotStore if store else endpoint_module
+    real_pack = getattr(owner, "pack")
     calls = {"n": 0}
 
     def flaky_pack(*args, **kwargs):
@@ -171,11 +176,12 @@ async def test_a_pack_failure_is_a_transfer_error_and_the_source_keeps_serving(m
             raise RuntimeError("device out of memory (injected)")
         return real_pack(*args, **kwargs)
 
-    monkeypatch.setattr(endpoint_module, "pack", flaky_pack)
+    monkeypatch.setattr(owner, "pack", flaky_pack)
     fabric = LocalFabric()
     src = {0: random_cache(8, (16,), torch.float32, 1)}
     dst = {0: zero_cache(8, (16,), torch.float32)}
-    cfg = EndpointConfig(full_bytes=4096, small_bytes=1024, request_timeout=30.0)
+    cfg = EndpointConfig(full_bytes=4096, small_bytes=1024, request_timeout=30.0,
+                         **({} if store else {"snapshot_gpu_bytes": 0, "snapshot_cpu_bytes": 0}))
     make = _InlineLocal if inline else LocalTransport
     async with Endpoint(0, src, make(fabric), cfg) as a, Endpoint(1, dst, make(fabric), cfg) as b:
         await b.connect(a.address)

@@ -17,6 +17,7 @@ from .metrics import EndpointMetrics, PeerMetrics
 from .policy import ChannelPolicy, build_machine
 from .retry import RetryPolicy
 from .sizes import SlabSizes
+from .snapshots import PublishResult
 from .transports import LocalFabric, LocalTransport, Transport
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ALL_LAYERS", "ChannelPolicy", "build_machine", "Endpoint", "EndpointConfig", "LoadResult",
     "PeerChannel", "RetryPolicy", "EndpointMetrics", "PeerMetrics",
-    "Transport", "LocalFabric", "LocalTransport", "NixlTransport", "SlabSizes",
+    "Transport", "LocalFabric", "LocalTransport", "NixlTransport", "SlabSizes", "PublishResult",
     "XavierError", "InvalidRequestError", "LayoutMismatchError", "UnknownPeerError",
     "EndpointClosedError", "RegistrationError", "TransferError", "PeerLostError",
     "RemoteError", "HandshakeError", "ListenError", "IntegrityError", "InternalError",

@@ -9,7 +9,20 @@ from ._checks import check_bool, check_int, check_number, check_size
 from .errors import InvalidRequestError
 from .policy import DEFAULT_STREAK
 from .retry import RetryPolicy
-from .sizes import DEFAULT_FULL_BYTES, SlabSizes
+from .sizes import DEFAULT_FULL_BYTES, MiB, SlabSizes
+
+#: the host tier's default when none is given: this much, at most an eighth of the host
+DEFAULT_HOST_TIER_BYTES = 1 << 30
+
+
+def default_host_tier_bytes() -> int:
+    """``min(1 GiB, physical memory / 8)``: the host tier's default budget."""
+    import os
+    try:
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return DEFAULT_HOST_TIER_BYTES
+    return int(min(DEFAULT_HOST_TIER_BYTES, phys // 8))
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,17 @@ class EndpointConfig:
     other slabs stay free for large batches. ``None`` (the default): no cap, a small batch
     takes any free slab. A cancelled batch waiting for a round trip takes nothing. Why,
     and what it measured: docs/concepts.md.
+
+    ``snapshot_gpu_bytes`` / ``snapshot_cpu_bytes``: the budgets of the snapshot store's
+    two tiers (:mod:`xavier_async.snapshots`), on by default as in the seed's deployment
+    (256 MiB of device memory per replica there). Published blocks are copied out of the
+    engine's slots into them, so the engine may reuse a slot as soon as publishing
+    returns; the device tier (GPU memory on CUDA; DRAM on CPU caches) spills its least
+    recently used blocks into the host tier (DRAM, pinned on CUDA). The host tier defaults
+    to ``min(1 GiB, physical memory / 8)``: host memory is cheaper than device memory, its
+    pages are touched only as blocks land there, and the seed's deployment served most
+    warm batches from its CPU tier. Both 0: no store, blocks are served from the engine's
+    live slots (zero copy, and the engine must not reuse a slot it published).
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -88,6 +112,8 @@ class EndpointConfig:
     merge_loads: bool = True
     merge_small_bytes: int | None = None
     small_round_trips: int | None = None
+    snapshot_gpu_bytes: int = 256 * MiB
+    snapshot_cpu_bytes: int | None = None
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +140,10 @@ class EndpointConfig:
             if not self.merge_loads:
                 raise InvalidRequestError("small_round_trips needs merge_loads (the batches that "
                                           "wait for a round trip merge into the next one)")
+        object.__setattr__(self, "snapshot_gpu_bytes", check_int(
+            "snapshot_gpu_bytes", self.snapshot_gpu_bytes, minimum=0))
+        host = default_host_tier_bytes() if self.snapshot_cpu_bytes is None else self.snapshot_cpu_bytes
+        object.__setattr__(self, "snapshot_cpu_bytes", check_int("snapshot_cpu_bytes", host, minimum=0))
         check_size("trim_align", self.trim_align)
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         if not isinstance(self.retry, RetryPolicy):
@@ -130,6 +160,10 @@ class LoadResult:
     blocks: int
     useful_bytes: int
     wire_bytes: int
+    #: blocks the source served from its snapshot store's device and host tiers (the
+    #: rest came from its live slots); a merged batch is charged its share
+    device_tier_blocks: int = 0
+    host_tier_blocks: int = 0
 
 
-__all__ = ["EndpointConfig", "LoadResult"]
+__all__ = ["EndpointConfig", "LoadResult", "default_host_tier_bytes"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
@@ -43,6 +43,7 @@ from .receiver import Receiver
 from .runtime import Caches, Runtime
 from .shielded import wait_terminal
 from .slabs import Slab, allocate_slab
+from .snapshots import PublishResult
 from .source import Source
 from .tasks import Tasks
 from .transports.base import Transport
@@ -121,14 +122,15 @@ class Endpoint:
         and how many were ever ``fences``, ``released_late`` (the stale writer's late reply
         arrived) and ``released_reconnect``; merged groups forming now
         (``groups_forming``), small round trips held and waited for (``lanes_held``,
-        ``lanes_waiting``); ``send_slabs`` (S), ``sends_in_use``, and
-        ``registered_at_start`` (S + K memory registrations) against
+        ``lanes_waiting``); ``send_slabs`` (S), ``sends_in_use``, ``snapshot_tiers`` (the
+        snapshot store's tiers, each registered once), and ``registered_at_start`` (S + K
+        + tiers memory registrations) against
         ``registered_since_start`` (0 unless a fence needed a replacement)."""
         stats = self._receiver.stats()
         if not stats:
             return {}
         return {**stats, "send_slabs": len(self._source.slabs),
-                "sends_in_use": self._source.pool.held,
+                "sends_in_use": self._source.pool.held, "snapshot_tiers": self._source.pools,
                 "registered_at_start": self._registered_at_start,
                 "registered_since_start":
                     self.transport.memory_registrations - self._registered_at_start}
@@ -163,6 +165,8 @@ class Endpoint:
                 await self.transport.add_send_slab(slab)
             for slab in recv_slabs[1:]:
                 await self.transport.add_recv_slab(slab)
+            for pool in self._source.pool_tensors:
+                await self.transport.add_pool(pool)
             self._registered_at_start = self.transport.memory_registrations
         except BaseException:
             # Release what the transport registered or bound (shielded), then stop our
@@ -355,13 +359,35 @@ class Endpoint:
                 log.debug("rank %d: disconnect of rank %d failed", self.rank, peer, exc_info=True)
 
     # -- publishing and loading ------------------------------------------------------------
-    def publish(self, key: BlockKey, slot: int, *, layers: Iterable[LayerId] | None = None) -> None:
+    def publish(self, key: BlockKey, slot: int, *,
+                layers: Iterable[LayerId] | None = None) -> PublishResult:
         """Make ``key`` loadable by peers: it lives at ``slot`` of each layer's cache
         (all layers by default). Every argument is checked before anything is published:
-        a malformed one raises :class:`InvalidRequestError`, and publishes nothing."""
+        a malformed one raises :class:`InvalidRequestError`, and publishes nothing.
+
+        With the snapshot store (the default) the block is copied into it before this
+        returns, every layer (``layers`` may only name them all), and the engine may reuse
+        ``slot`` at once; the result says whether it found room (``skipped``) and which
+        blocks it evicted. Without (``snapshot_gpu_bytes=0, snapshot_cpu_bytes=0``) the
+        block is served from ``slot`` itself, which the engine must keep until it
+        unpublishes it. For many blocks at a time, :meth:`publish_blocks`."""
         if self.closed:
             raise EndpointClosedError("endpoint is closed: it publishes nothing any more")
-        self._source.publish(key, slot, layers)
+        return self._source.publish(key, slot, layers)
+
+    async def publish_blocks(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> PublishResult:
+        """Make blocks ``keys`` (every layer) loadable by peers: ``keys[i]`` lives at
+        ``slots[i]`` of every layer's cache. Every argument is checked before anything is
+        published.
+
+        With the snapshot store (the default) the blocks are copied into it in one pass
+        (one fused launch on CUDA, completion by its event), after demoting what must make
+        room; when this returns they are loadable and the engine may overwrite the slots.
+        The result lists the keys now ``available``, those ``evicted`` to make room
+        (unregister them from your block index), those ``skipped`` for want of room in
+        either tier, and those ``demoted`` to the host tier (still loadable)."""
+        self._rt.check_open()
+        return await self._source.publish_blocks(keys, slots)
 
     def unpublish(self, key: BlockKey, *, layers: Iterable[LayerId] | None = None) -> None:
         """Stop serving ``key`` (keys and layers that are not published are ignored). A
@@ -410,7 +436,10 @@ class Endpoint:
         """Metrics as a plain dict (registrations include the transport's memory ones), with
         the slab pools' state under ``"slabs"`` (:attr:`recv_slab_stats`)."""
         self.metrics.memory_registrations = self.transport.memory_registrations
-        return {**self.metrics.as_dict(), "slabs": self.recv_slab_stats}
+        out = {**self.metrics.as_dict(), "slabs": self.recv_slab_stats}
+        if self._source.store is not None:
+            out["snapshot"] = self._source.store.stats()
+        return out
 
     def check_invariants(self, *, idle: bool = False) -> None:
         """Raise :class:`InternalError` if the slab bookkeeping is broken (a test aid for
@@ -424,15 +453,18 @@ class Endpoint:
         recv = self._receiver.slabs
         recv.check()
         self._source.check()
-        sends = len(self._source.slabs)
+        sends = len(self._source.slabs) + self._source.pools
         registered = self.transport.memory_registrations
         least, most = sends + len(recv.slabs), sends + len(recv.slabs) + recv.registering
         if not least <= registered <= most:
             raise InternalError(f"the transport holds {registered} memory registrations, the "
                                 f"endpoint {sends} send and {len(recv.slabs)} receive slabs "
                                 f"({recv.registering} being registered)")
-        pool = self._source.pool
-        if idle and (recv.pool.held or recv.pool.waiting or pool.held or pool.waiting):
+        pool, store = self._source.pool, self._source.store
+        if store is not None:
+            store.index.check()
+        if idle and (recv.pool.held or recv.pool.waiting or pool.held or pool.waiting
+                     or (store is not None and store.index.leased)):
             raise InternalError(f"idle, yet slabs are lent or awaited: {self.recv_slab_stats}")
 
 

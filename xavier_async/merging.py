@@ -21,7 +21,7 @@ unpacked: its slots keep their contents, as for a single batch.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, NamedTuple
 
 from .layout import SEGMENT_ALIGN, align_up
 from .planning import PlannedBatch, Segment
@@ -41,10 +41,25 @@ def own_copy(error: BaseException) -> BaseException:
     return c
 
 
+class Moved(NamedTuple):
+    """What one round trip moved: bytes on the wire, and the blocks its source served from
+    its snapshot store's device and host tiers (the rest came from its live slots)."""
+
+    wire_bytes: int
+    device_blocks: int = 0
+    host_blocks: int = 0
+
+    def share(self, part: int, whole: int) -> Moved:
+        """``part / whole`` of each figure (a merged batch's member, by payload)."""
+        whole = whole or 1
+        return Moved(self.wire_bytes * part // whole, self.device_blocks * part // whole,
+                     self.host_blocks * part // whole)
+
+
 class Member:
     """One batch of a :class:`LoadGroup`, at ``base`` in the slab."""
 
-    __slots__ = ("batch", "base", "cancelled", "wire_bytes", "error", "settled")
+    __slots__ = ("batch", "base", "cancelled", "moved", "error", "settled")
 
     def __init__(self, batch: PlannedBatch, base: int) -> None:
         self.batch = batch
@@ -52,13 +67,17 @@ class Member:
         #: cancelled after the group started: copied, not unpacked
         self.cancelled = False
         #: the member's share of the group's copy, once it landed
-        self.wire_bytes = 0
+        self.moved = Moved(0)
         self.error: BaseException | None = None
-        #: its outcome is known (``wire_bytes`` or ``error``)
+        #: its outcome is known (``moved`` or ``error``)
         self.settled = False
 
-    def land(self, wire_bytes: int) -> None:
-        self.wire_bytes, self.settled = wire_bytes, True
+    @property
+    def wire_bytes(self) -> int:
+        return self.moved.wire_bytes
+
+    def land(self, moved: Moved) -> None:
+        self.moved, self.settled = moved, True
 
     def fail(self, error: BaseException) -> None:
         """Give the member ``error`` (its own copy: each load adds its own notes)."""
@@ -114,11 +133,11 @@ class LoadGroup:
         """The group as one batch (what is requested and copied)."""
         return MergedBatch(self.src, self.members, self.nbytes)
 
-    def share(self, wire_bytes: int) -> None:
-        """Charge each member its share of the copy's ``wire_bytes`` (by payload)."""
-        total = sum(m.batch.nbytes for m in self.members) or 1
+    def share(self, moved: Moved) -> None:
+        """Charge each member its share of the copy (by payload)."""
+        total = sum(m.batch.nbytes for m in self.members)
         for m in self.members:
-            m.land(wire_bytes * m.batch.nbytes // total)
+            m.land(moved.share(m.batch.nbytes, total))
 
     def fail(self, error: BaseException) -> None:
         """Every member whose outcome is not known yet fails with ``error``."""
@@ -164,4 +183,4 @@ class MergedBatch:
         return f"MergedBatch(src={self.src}, nbytes={self.nbytes}, members={len(self.members)})"
 
 
-__all__ = ["LoadGroup", "Member", "MergedBatch", "own_copy"]
+__all__ = ["LoadGroup", "Member", "MergedBatch", "Moved", "own_copy"]

@@ -140,23 +140,28 @@ class Probe:
 class Landed:
     """Source -> receiver, delivered after the WRITE's bytes: ``wire_bytes`` moved into
     the receiver's receive slab number ``slab`` (the one the source's mapping wrote; the
-    receiver unpacks only if it is the one it asked for)."""
+    receiver unpacks only if it is the one it asked for). ``tiers``: how many of the
+    (layer, block) pieces the source served from its snapshot store's device and host
+    tiers (the rest from its live slots)."""
 
     req_id: int
     wire_bytes: int
     #: digest of the payload as the source packed it (:func:`xavier_async.slabs.payload_digest`), if asked
     digest: str | None = None
     slab: int = 0
+    tiers: tuple[int, int] = (0, 0)
 
     def to_wire(self) -> bytes:
-        return _encode(LANDED_TAG, [self.req_id, self.wire_bytes, self.digest, self.slab])
+        return _encode(LANDED_TAG, [self.req_id, self.wire_bytes, self.digest, self.slab,
+                                    self.tiers[0], self.tiers[1]])
 
     @classmethod
     def from_body(cls, body: Any) -> Landed:
-        if not isinstance(body, list) or len(body) != 4 or type(body[1]) is not int or body[1] < 0 \
+        if not isinstance(body, list) or len(body) != 6 or type(body[1]) is not int or body[1] < 0 \
                 or not (body[2] is None or isinstance(body[2], str)):
             raise ProtocolError("malformed LANDED body")
-        return cls(_req_id(body[0]), body[1], body[2], _count(body[3], "slab"))
+        return cls(_req_id(body[0]), body[1], body[2], _count(body[3], "slab"),
+                   (_count(body[4], "tier count"), _count(body[5], "tier count")))
 
 
 #: error kind on the wire <-> the exception the receiver raises (one table, both ways)
@@ -326,8 +331,8 @@ def check_hello(local: Hello, peer: Any, layout: CacheLayout) -> int:
 class PendingRequest:
     """One request awaiting its reply. ``on_done`` is called once, when it resolves."""
 
-    __slots__ = ("req_id", "peer", "wire_bytes", "digest", "slab", "error", "settled", "done",
-                 "_on_done")
+    __slots__ = ("req_id", "peer", "wire_bytes", "digest", "slab", "tiers", "error", "settled",
+                 "done", "_on_done")
 
     def __init__(self, req_id: int, peer: int, on_done: Callable[[], None]) -> None:
         self.req_id, self.peer = req_id, peer
@@ -335,15 +340,18 @@ class PendingRequest:
         self.digest: str | None = None
         #: the receive slab the source reports writing
         self.slab = -1
+        #: pieces the source served from its store's device and host tiers
+        self.tiers = (0, 0)
         self.error: XavierError | None = None
         #: no write for this request can land any more (false while it may still land)
         self.settled = False
         self.done = False
         self._on_done = on_done
 
-    def resolve(self, wire_bytes: int, digest: str | None = None, slab: int = -1) -> None:
+    def resolve(self, wire_bytes: int, digest: str | None = None, slab: int = -1,
+                tiers: tuple[int, int] = (0, 0)) -> None:
         if not self.done:
-            self.wire_bytes, self.digest, self.slab = wire_bytes, digest, slab
+            self.wire_bytes, self.digest, self.slab, self.tiers = wire_bytes, digest, slab, tiers
             self.settled = self.done = True
             self._on_done()
 
@@ -377,7 +385,7 @@ class RequestTable:
         if req is None or req.peer != peer:
             return None
         if isinstance(msg, Landed):
-            req.resolve(msg.wire_bytes, msg.digest, msg.slab)
+            req.resolve(msg.wire_bytes, msg.digest, msg.slab, msg.tiers)
         else:
             req.fail(msg.exception(peer), settled=msg.settled)
         return req

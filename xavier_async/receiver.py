@@ -32,7 +32,7 @@ from .config import LoadResult
 from .errors import (EndpointClosedError, IntegrityError, InvalidRequestError, PeerLostError,
                      RegistrationError, XavierError)
 from .fairpool import Ticket
-from .merging import MergedBatch
+from .merging import MergedBatch, Moved
 from .packing import SlabRows, unpack
 from .peers import PeerTable
 from .planning import LoadRequest, PlannedBatch, Planner
@@ -111,7 +111,7 @@ class Receiver:
         rt.stages.plan.record(perf_counter_ns() - t0)
         rt.enter_work()
         rt.metrics.loads += 1
-        useful = wire = blocks = done = 0
+        useful = wire = blocks = done = dev = host = 0
         try:
             if len(planned) > 1:
                 # several copies: every source confirms every key first, so that a refusal
@@ -123,7 +123,10 @@ class Receiver:
                     await self._probe(src, items)
             load_batch = self.scheduler.load
             for batch in planned:
-                wire += await load_batch(batch.src, batch)
+                moved = await load_batch(batch.src, batch)
+                wire += moved.wire_bytes
+                dev += moved.device_blocks
+                host += moved.host_blocks
                 useful += batch.useful_bytes
                 blocks += batch.blocks
                 done += 1
@@ -131,12 +134,12 @@ class Receiver:
             if done:
                 exc.add_note(f"{done} of {len(planned)} batches ({blocks} blocks, {useful} B) of "
                              "this load were already written into their slots")
-                exc.partial = LoadResult(done, blocks, useful, wire)  # type: ignore[attr-defined]
+                exc.partial = LoadResult(done, blocks, useful, wire, dev, host)  # type: ignore[attr-defined]
             raise
         finally:
             rt.leave_work()
         rt.stages.total.record(perf_counter_ns() - t0)
-        return LoadResult(len(planned), blocks, useful, wire)
+        return LoadResult(len(planned), blocks, useful, wire, dev, host)
 
     async def _probe(self, src: int, items: list[Any]) -> None:
         """Ask ``src`` whether every key in ``items`` is published (nothing is written)."""
@@ -247,9 +250,9 @@ class Receiver:
         self._replenish_soon()
 
     # -- one round trip ------------------------------------------------------------------
-    async def round_trip(self, src: int, batch: PlannedBatch | MergedBatch, lease: Lease) -> int:
+    async def round_trip(self, src: int, batch: PlannedBatch | MergedBatch, lease: Lease) -> Moved:
         """Request ``batch`` from ``src`` into the leased slab, wait (shielded) for its
-        terminal state, verify, unpack; returns the wire bytes. A timeout or an unsettled
+        terminal state, verify, unpack; returns what moved. A timeout or an unsettled
         failure fences the lease."""
         rt = self._rt
         m = rt.metrics.peer(src)
@@ -258,7 +261,11 @@ class Receiver:
         slab = lease.slab
         self._recv_slab_free(slab)
         if slab.index:
-            await rt.transport.share_recv_slab(src, slab)
+            try:
+                await rt.transport.share_recv_slab(src, slab)
+            except PeerLostError as exc:  # it did not acknowledge the slab in time: as
+                await self._on_timeout(src, exc)  # unresponsive as a request timing out
+                raise
         landed = anyio.Event()
         req = self.requests.open(src, landed.set)
         timeout = self._config.request_timeout
@@ -323,7 +330,7 @@ class Receiver:
         rt.stages.unpack.record(perf_counter_ns() - t_unpack)
         m.batches_received += 1
         m.bytes_received += req.wire_bytes
-        return req.wire_bytes
+        return Moved(req.wire_bytes, *req.tiers)
 
     async def _unpack(self, batch: PlannedBatch | MergedBatch, slab: Slab) -> None:
         # one pass (memmoves on the CPU, one fused launch on CUDA). This receive slab is

@@ -57,8 +57,8 @@ class Caches:
         self.device_runs: DeviceRuns | None = None
 
     def start(self) -> None:
-        """On CUDA, make the fused launcher (no Triton: the tensor path)."""
-        if self.layout.device.type == "cuda":
+        """On CUDA, make the fused launcher (no Triton: the tensor path); idempotent."""
+        if self.layout.device.type == "cuda" and self.device_runs is None:
             try:
                 self.device_runs = DeviceRuns(self.layout.device)
             except Exception:

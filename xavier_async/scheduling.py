@@ -25,7 +25,7 @@ import anyio
 from .config import EndpointConfig
 from .errors import EndpointClosedError, InternalError, RemoteError, XavierError
 from .fairpool import FairPool, Ticket
-from .merging import LoadGroup, Member, MergedBatch
+from .merging import LoadGroup, Member, MergedBatch, Moved
 from .metrics import EndpointMetrics
 from .planning import PlannedBatch
 from .recvslabs import Lease, RecvSlabs
@@ -43,9 +43,9 @@ class RoundTrips(Protocol):
         """The ticket's receive slab, once granted (registering a replacement first if
         fences left the pool short); a failure or cancellation takes nothing."""
 
-    async def round_trip(self, src: int, batch: PlannedBatch | MergedBatch, lease: Lease) -> int:
+    async def round_trip(self, src: int, batch: PlannedBatch | MergedBatch, lease: Lease) -> Moved:
         """Request ``batch`` from ``src`` into the leased slab, wait, verify, unpack;
-        the wire bytes. Fences the lease if a late write may still land."""
+        what moved. Fences the lease if a late write may still land."""
 
 
 class GroupRun(LoadGroup):
@@ -85,9 +85,9 @@ class BatchScheduler:
         #: (``small_round_trips``; empty without a cap)
         self.lanes: dict[int, FairPool] = {}
 
-    async def load(self, src: int, batch: PlannedBatch) -> int:
-        """One batch's way to a receive slab and its round trip; the wire bytes charged
-        to it. The head-of-line rule: a batch larger than the small view is "large"."""
+    async def load(self, src: int, batch: PlannedBatch) -> Moved:
+        """One batch's way to a receive slab and its round trip; what moved for it (a
+        merged member: its share). The head-of-line rule: a batch larger than the small view is "large"."""
         pool = self._trips.slabs.pool
         large = batch.nbytes > self._small
         if not self._config.merge_loads:
@@ -131,7 +131,7 @@ class BatchScheduler:
             lanes = self.lanes[src] = FairPool(range(self._config.small_round_trips or 1))
         return lanes
 
-    async def _in_group(self, group: GroupRun, member: Member) -> int:
+    async def _in_group(self, group: GroupRun, member: Member) -> Moved:
         """Wait for ``member``'s group. Cancelled before the group starts, the member
         leaves it and takes nothing; after, its copy is waited for (shielded), it is not
         unpacked, and the cancellation is re-raised."""
@@ -154,7 +154,7 @@ class BatchScheduler:
             raise
         if member.error is not None:
             raise member.error
-        return member.wire_bytes
+        return member.moved
 
     def _close(self, group: GroupRun) -> None:
         """No batch joins ``group`` any more."""

@@ -14,11 +14,12 @@ terminal.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from time import perf_counter_ns
 
 import anyio
+import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .channel import CopyPlan, PeerChannel
@@ -34,6 +35,7 @@ from .decision import (Decision, NeedsMapping, ParsedLoad, Ready, Refuse, check_
 from .protocol import Error, Landed, Load, Probe
 from .runtime import Runtime
 from .slabs import Slab, payload_digest
+from .snapshots import PublishResult, SnapshotStore
 
 log = logging.getLogger("xavier_async")
 
@@ -61,6 +63,35 @@ class Source:
         #: requests handed to the serve queue and not yet committed (the inline path waits)
         self._queued = 0
         self._inbox: MemoryObjectSendStream[Queued] | None = None
+        cfg = rt.config
+        #: the snapshot store (None: blocks are served from the engine's live slots)
+        self.store = (SnapshotStore(layout, rt.caches.rows, cfg.snapshot_gpu_bytes,
+                                    cfg.snapshot_cpu_bytes or 0)
+                      if cfg.snapshot_gpu_bytes or cfg.snapshot_cpu_bytes else None)
+        #: per send slab in use: the store slots its copy reads (leased until terminal)
+        self._leased: dict[int, tuple[int, ...]] = {}
+        #: the store's tiers (allocated now, so that blocks can be published before start;
+        #: registered with the transport at start)
+        self.pool_tensors = self._allocate_store()
+
+    @property
+    def pools(self) -> int:
+        """Snapshot tiers registered with the transport (0 without a store)."""
+        return len(self.pool_tensors)
+
+    def _allocate_store(self) -> list[torch.Tensor]:
+        """Allocate the snapshot store's tiers (none without a store)."""
+        if self.store is None:
+            return []
+        self._rt.caches.start()
+        runs = self._rt.caches.device_runs
+        if runs is None and self._layout.device.type == "cuda":
+            log.warning("rank %d: no fused copy kernel (Triton) on %s: the snapshot store is off, "
+                        "blocks are served from the engine's live slots", self._rt.rank,
+                        self._layout.device)
+            self.store = None
+            return []
+        return self.store.allocate(runs)
 
     def start(self, slabs: list[Slab]) -> None:
         """Take the send slabs (registered by the endpoint's start) and start serving."""
@@ -76,9 +107,11 @@ class Source:
             self._inbox.close()
 
     # -- publishing ----------------------------------------------------------------------
-    def publish(self, key: BlockKey, slot: int, layers: Iterable[LayerId] | None = None) -> None:
+    def publish(self, key: BlockKey, slot: int,
+                layers: Iterable[LayerId] | None = None) -> PublishResult:
         """``key`` lives at ``slot`` of each of ``layers`` (all by default); every argument
-        is checked before anything is published."""
+        is checked before anything is published. With a snapshot store the block is
+        copied into it now (every layer: ``layers`` may only name them all)."""
         check_key(key)
         specs = self._layout.layers
         targets = list(specs) if layers is None else check_layers(layers)
@@ -88,14 +121,59 @@ class Source:
             if layer not in specs:
                 raise InvalidRequestError(f"unknown layer {layer!r}")
             slot = check_slot(slot, specs[layer], layer)
+        if self.store is not None:
+            self._whole_blocks(targets)
+            return self.store.publish_now(key, slot, self._moved)
         for layer in targets:
             self.published[layer][key] = slot
+        return PublishResult((key,))
+
+    async def publish_blocks(self, keys: Sequence[BlockKey],
+                             slots: Sequence[int]) -> PublishResult:
+        """Publish ``keys`` from the engine's ``slots`` (every layer); with a snapshot
+        store, one staging pass copies them out (the slots are free to reuse when this
+        returns)."""
+        keys, slots = list(keys), list(slots)
+        if self.store is not None:
+            return await self.store.publish(keys, slots, self._moved)
+        if len(keys) != len(slots):
+            raise InvalidRequestError(f"{len(keys)} keys but {len(slots)} slots")
+        for key, slot in zip(keys, slots):  # every argument checked before any is published
+            check_key(key)
+            for layer, spec in self._layout.layers.items():
+                check_slot(slot, spec, layer)
+        for key, slot in zip(keys, slots):
+            for layer in self._layout.layers:
+                self.published[layer][key] = slot
+        await anyio.lowlevel.checkpoint()
+        return PublishResult(tuple(keys))
 
     def unpublish(self, key: BlockKey, layers: Iterable[LayerId] | None = None) -> None:
         """Stop serving ``key`` (keys and layers that are not published are ignored)."""
         check_key(key)
+        if self.store is not None:
+            if layers is not None:
+                self._whole_blocks(check_layers(layers))
+            if self.store.remove(key):
+                self._moved(key, None)
+            return
         for layer in (list(self.published) if layers is None else check_layers(layers)):
             self.published.get(layer, {}).pop(key, None)
+
+    def _whole_blocks(self, layers: list[LayerId]) -> None:
+        if set(layers) != set(self._layout.layers):
+            raise InvalidRequestError(
+                "the snapshot store keeps whole blocks: publish or unpublish every layer "
+                "(layers=None), or turn the store off (EndpointConfig(snapshot_gpu_bytes=0, "
+                "snapshot_cpu_bytes=0)) to publish single layers from the live slots")
+
+    def _moved(self, key: BlockKey, slot: int | None) -> None:
+        """The store moved ``key`` to ``slot`` (``None``: it is gone): serve it there."""
+        for table in self.published.values():
+            if slot is None:
+                table.pop(key, None)
+            else:
+                table[key] = slot
 
     # -- requests ------------------------------------------------------------------------
     def on_probe(self, peer: int, probe: Probe) -> None:
@@ -164,12 +242,19 @@ class Source:
         event is waited for, not the device), post the copy. Returns the plan, the
         transport's pending token (None: already DONE) and when it was posted."""
         load = ready.load
-        stages, caches = self._rt.stages, self._rt.caches
+        stages, caches, store = self._rt.stages, self._rt.caches, self.store
         plan = ch.commit(load.payload, ready.view, load.useful, load.slab, send)
         t_pack = perf_counter_ns()
+        tiers = (0, 0)
         try:
-            event = pack(self._rows[send], load.segments, ready.slot_lists, caches.table,
-                         caches.device_runs)
+            if store is None:
+                event = pack(self._rows[send], load.segments, ready.slot_lists, caches.table,
+                             caches.device_runs)
+            else:  # from the store's tiers; its slots are leased until the copy is terminal
+                self._leased[send] = store.lease(ready.slot_lists)
+                store.touch(load.segments)
+                tiers = store.tiers(ready.slot_lists)
+                event = store.pack(self._rows[send], load.segments, ready.slot_lists)
             if event is not None:  # NIXL does not order against CUDA streams
                 event.synchronize()
             digest = (payload_digest(self.slabs[send].tensor, load.payload)
@@ -180,7 +265,8 @@ class Source:
             raise TransferError(f"packing a batch for rank {ch.peer} failed: {exc!r}") from exc
         posted = perf_counter_ns()
         stages.pack.record(posted - t_pack)
-        pending = ch.post(plan, Landed(load.req_id, plan.wire_bytes, digest, plan.slab).to_wire())
+        pending = ch.post(plan, Landed(load.req_id, plan.wire_bytes, digest, plan.slab,
+                                       tiers).to_wire())
         if pending is None:
             stages.post_to_done.record(perf_counter_ns() - posted)
         return plan, pending, posted
@@ -191,13 +277,13 @@ class Source:
         try:
             plan, pending, posted = self._post(ch, ready, send)
         except Exception as exc:  # reply with the error; never raise into the poller
-            self.pool.release(send)
+            self._release_send(send)
             rt.leave_work()
             err = exc if isinstance(exc, XavierError) else TransferError(f"serving failed: {exc!r}")
             rt.spawn(self._after_failure, ch, peer, ready.load.req_id, err)
             return
         if pending is None:
-            self.pool.release(send)
+            self._release_send(send)
             rt.leave_work()
         else:
             rt.spawn(self._finish_inline, ch, peer, ready.load.req_id, plan, pending, posted, send)
@@ -216,8 +302,15 @@ class Source:
         try:
             await self._finish(ch, peer, req_id, plan, pending, posted)
         finally:
-            self.pool.release(send)  # the copy is terminal: nothing reads the slab now
+            self._release_send(send)  # the copy is terminal: nothing reads the slab now
             self._rt.leave_work()
+
+    def _release_send(self, send: int) -> None:
+        """Send slab ``send`` and the store slots its copy read are free again."""
+        leased = self._leased.pop(send, None)
+        if leased is not None and self.store is not None:
+            self.store.release(leased)
+        self.pool.release(send)
 
     async def _after_failure(self, ch: PeerChannel, peer: int, req_id: int, exc: XavierError) -> None:
         await ch.forget()
@@ -300,7 +393,7 @@ class Source:
             if queued:
                 self._queued -= 1
             if send is not None:
-                self.pool.release(send)  # the copy is terminal, or was never posted
+                self._release_send(send)  # the copy is terminal, or was never posted
             else:
                 ticket.cancel()  # leave the line (or give back a slab granted meanwhile)
             rt.leave_work()

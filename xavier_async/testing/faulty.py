@@ -23,6 +23,8 @@ from ..errors import PeerLostError, TransferError
 from ..transports.base import TaskSpawner, Transport
 
 if TYPE_CHECKING:
+    import torch
+
     from ..slabs import Slab, SlabView
     from ..transports.base import TransportHost
 
@@ -185,6 +187,9 @@ class FaultyTransport(Transport):
         if self.plan.register_seconds:
             await anyio.sleep(self.plan.register_seconds)
         await self.inner.add_send_slab(slab)
+
+    async def add_pool(self, memory: torch.Tensor) -> None:
+        await self.inner.add_pool(memory)
 
     async def add_recv_slab(self, slab: Slab) -> None:
         if self.plan.register_seconds:

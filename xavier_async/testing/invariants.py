@@ -43,9 +43,11 @@ def check_slab_invariants(ep: Any, *, idle: bool = True) -> list[str]:
         problems.append(f"usable {stats['usable']} + fenced_now {stats['fenced_now']} + spares "
                         f"{stats['spares']} != registered {stats['registered']}")
     regs = ep.transport.memory_registrations
-    if regs != stats["send_slabs"] + stats["registered"]:
+    tiers = stats.get("snapshot_tiers", 0)
+    if regs != stats["send_slabs"] + stats["registered"] + tiers:
         problems.append(f"the transport counted {regs} memory registrations, the endpoint has "
-                        f"{stats['send_slabs']} send + {stats['registered']} receive slabs")
+                        f"{stats['send_slabs']} send + {stats['registered']} receive slabs + "
+                        f"{tiers} snapshot tiers")
 
     # -- the engine's own checks: one place each, unpack tables, pool accounting --------
     from ..errors import InternalError

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 if TYPE_CHECKING:
+    import torch
+
     from ..slabs import Slab, SlabView
 
 
@@ -118,6 +120,14 @@ class Transport(abc.ABC):
         index is already registered is refused (:class:`InvalidRequestError`) before
         anything is registered: an index names one slab for the endpoint's lifetime."""
         raise NotImplementedError(f"the {self.name} transport cannot add receive slabs")
+
+    async def add_pool(self, memory: torch.Tensor) -> None:
+        """Register memory the endpoint serves blocks from (a snapshot tier: one tensor
+        of block slots, registered once at start, on the caches' device or in host DRAM).
+        Counts one memory registration. A transport whose copies never read it directly
+        may only count it (the default)."""
+        await anyio.lowlevel.checkpoint()
+        self.memory_registrations += 1
 
     async def share_recv_slab(self, peer: int, slab: Slab) -> None:
         """Make sure ``peer`` can write into our receive slab ``slab`` (idempotent; a

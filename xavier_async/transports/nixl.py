@@ -48,6 +48,8 @@ from .nixl_agent import AgentFactory, NixlAgent, nixl_agent_factory, nixl_versio
 from .peering import Peering
 
 if TYPE_CHECKING:
+    import torch
+
     from ..slabs import Slab, SlabView
     from .base import TransportHost
 
@@ -309,6 +311,19 @@ class NixlTransport(Transport):
     async def add_send_slab(self, slab: Slab) -> None:
         await self._register(slab)
         self._send_slabs[slab.index] = slab
+
+    async def add_pool(self, memory: torch.Tensor) -> None:
+        """Register a snapshot tier: VRAM on the caches' GPU, or DRAM (pinned on CUDA)."""
+        await anyio.lowlevel.checkpoint()
+        cuda = memory.device.type == "cuda"
+        if cuda and (self._send_slab is None or memory.device != self._send_slab.device):
+            raise InvalidRequestError(f"a snapshot tier on {memory.device}, not on the endpoint's device")
+        agent = self._agent
+        reg = agent.register_memory(agent.get_reg_descs(
+            [(memory.data_ptr(), memory.numel() * memory.element_size(),
+              (memory.device.index or 0) if cuda else 0, "")], "VRAM" if cuda else "DRAM"))
+        self._reg.append(reg)
+        self.memory_registrations += 1
 
     async def add_recv_slab(self, slab: Slab) -> None:
         if slab.index in self._recv_slabs or slab.index in self._registering:

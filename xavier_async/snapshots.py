@@ -1,0 +1,323 @@
+"""The snapshot store: published blocks copied out of the engine's slots into two tiers
+of block slots the library owns (the seed's tiered snapshot store).
+
+Each tier is one tensor ``[slots, block_bytes]`` of raw bytes, allocated and registered
+with the transport once, at start: the *device* tier on the caches' device (GPU memory
+on CUDA), the *host* tier in DRAM (pinned on CUDA). A block occupies one slot: every
+layer of it, one after the other in the layout's order, each in the bytes (and so the
+logical dtype) it has in the engine. Which slot holds which block, the LRU order, leases
+and admission are :mod:`xavier_async.snapshot_index`'s; this module does the copies:
+
+* :meth:`SnapshotStore.publish` stages a batch of blocks with one copy pass (memmoves on
+  the CPU, one fused launch on CUDA, completion by its event) after demoting what must
+  make room (one pass too). A block becomes loadable only once every layer is staged, and
+  the engine may overwrite its own slots as soon as the call returns.
+* The source serves a load by gathering from the tiers instead of the engine's slots
+  (:class:`StoreTable`), leasing the slots it reads until its copy is terminal, so that
+  neither eviction nor demotion touches them meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from time import perf_counter_ns
+from typing import Any
+
+import anyio
+import torch
+
+from .errors import InvalidRequestError
+from .layout import BlockKey, CacheLayout, LayerId
+from .packing import DeviceRuns, RunTable, SlabRows, run_host
+from .planning import Segment
+from .snapshot_index import DEVICE, HOST, Admission, SnapshotIndex
+
+log = logging.getLogger("xavier_async")
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What :meth:`~xavier_async.Endpoint.publish_blocks` did: ``available`` keys are
+    loadable now; ``evicted`` keys were dropped from the store to make room (unregister
+    them from your block index); ``skipped`` keys found no room in either tier and are not
+    loadable; ``demoted`` keys moved from the device tier to the host tier (still
+    loadable)."""
+
+    available: tuple[BlockKey, ...]
+    evicted: tuple[BlockKey, ...] = ()
+    skipped: tuple[BlockKey, ...] = ()
+    demoted: tuple[BlockKey, ...] = ()
+
+
+class StoreTable:
+    """Where each (layer, global slot) of the store lies: ``base[tier][layer] + slot *
+    block_bytes`` (the host tier's base is shifted by the device tier's slot count, so
+    one formula serves both)."""
+
+    __slots__ = ("split", "stride", "device_base", "host_base")
+
+    def __init__(self, device: torch.Tensor, host: torch.Tensor, offsets: Mapping[LayerId, int],
+                 split: int, stride: int) -> None:
+        self.split, self.stride = split, stride
+        self.device_base = {layer: device.data_ptr() + o for layer, o in offsets.items()}
+        self.host_base = {layer: host.data_ptr() + o - split * stride for layer, o in offsets.items()}
+
+    def pack_table(self, slab_ptr: int, segments: Sequence[Segment],
+                   slot_lists: Sequence[Sequence[int]]) -> RunTable:
+        """The runs copying each segment's blocks (global store slots ``slot_lists``) into
+        a slab at ``slab_ptr``; a run that continues the previous one in both places is
+        merged with it (one block hash over every layer is one run)."""
+        dst: list[int] = []
+        src: list[int] = []
+        ns: list[int] = []
+        split, stride = self.split, self.stride
+        dev_base, host_base = self.device_base, self.host_base
+        for seg, slots in zip(segments, slot_lists):
+            bn, p = seg.block_nbytes, slab_ptr + seg.offset
+            db, hb = dev_base[seg.layer], host_base[seg.layer]
+            for row, slot in enumerate(slots):
+                d = p + row * bn
+                s = (db if slot < split else hb) + slot * stride
+                if ns and dst[-1] + ns[-1] == d and src[-1] + ns[-1] == s:
+                    ns[-1] += bn
+                else:
+                    dst.append(d)
+                    src.append(s)
+                    ns.append(bn)
+        return dst, src, ns
+
+
+class SnapshotStore:
+    """One source's two tiers, their index and the copies between engine, tiers and
+    slabs. ``device_bytes``/``host_bytes``: the tiers' budgets (whole blocks fit)."""
+
+    def __init__(self, layout: CacheLayout, rows: Mapping[LayerId, torch.Tensor],
+                 device_bytes: int, host_bytes: int) -> None:
+        self.layout = layout
+        self._rows = rows
+        self.offsets: dict[LayerId, int] = {}
+        off = 0
+        for layer, spec in layout.layers.items():
+            self.offsets[layer] = off
+            off += spec.block_nbytes
+        #: bytes of one block, every layer
+        self.block_bytes = off
+        self.index = SnapshotIndex(device_bytes // off, host_bytes // off)
+        self.device_pool: torch.Tensor | None = None
+        self.host_pool: torch.Tensor | None = None
+        self.table: StoreTable | None = None
+        self._runs: DeviceRuns | None = None
+        self._released: anyio.Event | None = None
+        #: staging and demotion passes, and the nanoseconds they took (the bench reads them)
+        self.staged_blocks = self.stage_ns = self.demote_ns = 0
+
+    @property
+    def slots(self) -> int:
+        return self.index.device_slots + self.index.host_slots
+
+    def allocate(self, device_runs: DeviceRuns | None) -> list[torch.Tensor]:
+        """Allocate both tiers (not zeroed: a slot is written before it is ever read);
+        returns them for the transport to register."""
+        dev = self.layout.device
+        n_dev, n_host, b = self.index.device_slots, self.index.host_slots, self.block_bytes
+        self.device_pool = torch.empty((n_dev, b), dtype=torch.uint8, device=dev)
+        self.host_pool = torch.empty((n_host, b), dtype=torch.uint8,
+                                     pin_memory=dev.type == "cuda" and n_host > 0)
+        self.table = StoreTable(self.device_pool, self.host_pool, self.offsets, n_dev, b)
+        self._runs = device_runs
+        return [t for t in (self.device_pool, self.host_pool) if t.numel()]
+
+    # -- publishing ---------------------------------------------------------------------
+    def _check(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        from .layout import check_key, check_slot
+        if len(keys) != len(slots):
+            raise InvalidRequestError(f"{len(keys)} keys but {len(slots)} slots")
+        if len(set(keys)) != len(keys):
+            raise InvalidRequestError("a key is named twice in one publish")
+        for key, slot in zip(keys, slots):
+            check_key(key)
+            for layer, spec in self.layout.layers.items():
+                check_slot(slot, spec, layer)
+
+    async def publish(self, keys: Sequence[BlockKey], slots: Sequence[int],
+                      on_move: Any) -> PublishResult:
+        """Stage ``keys`` from the engine's ``slots`` (all layers). ``on_move(key, slot)``
+        is told where each demoted and staged block now lives (``slot`` None: gone), in
+        the order that keeps every published block readable."""
+        self._check(keys, slots)
+        index = self.index
+        plan = index.admit(list(keys))
+        engine_slot = dict(zip(keys, slots))
+        try:
+            for key in plan.drop:  # dropped to make room: not served from now on
+                on_move(key, None)
+            if plan.demote:
+                await self._wait_unleased([m.dst for m in plan.demote])
+                t0 = perf_counter_ns()
+                await self._copy(self._demote_table(plan))
+                self.demote_ns += perf_counter_ns() - t0
+                for m in plan.demote:
+                    on_move(m.key, m.dst)  # served from the host tier from now on
+            targets = list(plan.place.values())
+            await self._wait_unleased(targets)
+            t0 = perf_counter_ns()
+            await self._copy(self._stage_table(plan, engine_slot))
+            self.stage_ns += perf_counter_ns() - t0
+            self.staged_blocks += len(plan.place)
+        except BaseException:
+            index.abort(plan)
+            for m in plan.demote:
+                on_move(m.key, None)
+            raise
+        index.commit(plan)
+        for key, slot in plan.place.items():
+            on_move(key, slot)
+        return PublishResult(tuple(plan.place), tuple(plan.drop), tuple(plan.skip),
+                             tuple(m.key for m in plan.demote))
+
+    def publish_now(self, key: BlockKey, slot: int, on_move: Any) -> PublishResult:
+        """:meth:`publish` of one block, synchronously (``Endpoint.publish``): the copy
+        runs before this returns (on CUDA, its event is waited for)."""
+        self._check([key], [slot])
+        index = self.index
+        plan = index.admit([key])
+        for victim in plan.drop:
+            on_move(victim, None)
+        if any(index.is_leased(s) for s in [*plan.place.values(), *(m.dst for m in plan.demote)]):
+            # a copy still reads a slot this would overwrite: nothing moves, the key is
+            # skipped (publish_blocks waits for the reader instead)
+            index.abort(plan)
+            for m in plan.demote:
+                on_move(m.key, None)
+            return PublishResult((), tuple(plan.drop) + tuple(m.key for m in plan.demote), (key,))
+        if plan.demote:
+            self._copy_now(self._demote_table(plan))
+            for m in plan.demote:
+                on_move(m.key, m.dst)
+        self._copy_now(self._stage_table(plan, {key: slot}))
+        self.staged_blocks += len(plan.place)
+        index.commit(plan)
+        for k, s in plan.place.items():
+            on_move(k, s)
+        return PublishResult(tuple(plan.place), tuple(plan.drop), tuple(plan.skip),
+                             tuple(m.key for m in plan.demote))
+
+    def remove(self, key: BlockKey) -> bool:
+        return self.index.remove(key)
+
+    # -- the copies ------------------------------------------------------------------------
+    def _addr(self, slot: int) -> int:
+        if self.device_pool is None or self.host_pool is None:
+            raise InvalidRequestError("the snapshot store is not started")
+        split, b = self.index.device_slots, self.block_bytes
+        if slot < split:
+            return self.device_pool.data_ptr() + slot * b
+        return self.host_pool.data_ptr() + (slot - split) * b
+
+    def _demote_table(self, plan: Admission) -> RunTable:
+        """One run per demoted block: its whole slot, device tier to host tier."""
+        b = self.block_bytes
+        moves = plan.demote
+        return [self._addr(m.dst) for m in moves], [self._addr(m.src) for m in moves], [b] * len(moves)
+
+    def _stage_table(self, plan: Admission, engine_slot: Mapping[BlockKey, int]) -> RunTable:
+        """The runs copying each placed block's layers from the engine's slots into its
+        store slot (consecutive engine slots into consecutive store slots, one layer at a
+        time, merge)."""
+        dst: list[int] = []
+        src: list[int] = []
+        ns: list[int] = []
+        for layer, rows in self._rows.items():
+            bn, off, base = rows.shape[1], self.offsets[layer], rows.data_ptr()
+            for key, slot in plan.place.items():
+                d, s = self._addr(slot) + off, base + engine_slot[key] * bn
+                if ns and dst[-1] + ns[-1] == d and src[-1] + ns[-1] == s:
+                    ns[-1] += bn
+                else:
+                    dst.append(d)
+                    src.append(s)
+                    ns.append(bn)
+        return dst, src, ns
+
+    def _copy_now(self, table: RunTable) -> None:
+        if not table[2]:
+            return
+        if self._runs is None:
+            run_host(table)
+            return
+        event = self._runs.run(table)
+        if event is not None:
+            event.synchronize()
+
+    async def _copy(self, table: RunTable) -> None:
+        """One pass; on CUDA, one launch whose event is polled (shielded: the bytes are
+        being written whatever happens) so that other work goes on meanwhile."""
+        if not table[2]:
+            return
+        if self._runs is None:
+            run_host(table)
+            await anyio.lowlevel.checkpoint()
+            return
+        event = self._runs.run(table)
+        if event is None:
+            return
+        with anyio.CancelScope(shield=True):
+            while not event.query():
+                await anyio.lowlevel.checkpoint()
+
+    # -- leases ------------------------------------------------------------------------
+    def lease(self, slot_lists: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """Lease every slot a serve reads (returned, for :meth:`release`)."""
+        slots = tuple({s for slots in slot_lists for s in slots})
+        self.index.lease(slots)
+        return slots
+
+    def release(self, slots: tuple[int, ...]) -> None:
+        self.index.release(slots)
+        ev = self._released
+        if ev is not None:
+            self._released = None
+            ev.set()
+
+    async def _wait_unleased(self, slots: Sequence[int]) -> None:
+        """Until no copy reads any of ``slots`` (a slot freed while a copy read it)."""
+        while any(self.index.is_leased(s) for s in slots):
+            if self._released is None:
+                self._released = anyio.Event()
+            await self._released.wait()
+
+    def touch(self, segments: Sequence[Segment]) -> None:
+        """The keys of a serve were used: most recently used in their tiers."""
+        prev = None
+        touch = self.index.touch
+        for seg in segments:
+            if seg.keys is not prev:
+                prev = seg.keys
+                for key in seg.keys:
+                    touch(key)
+
+    def pack(self, slab: SlabRows, segments: Sequence[Segment],
+             slot_lists: Sequence[Sequence[int]]) -> Any:
+        """Gather a serve's blocks from the tiers into a send slab (memmoves on the CPU;
+        on CUDA one fused launch, whose event is returned)."""
+        if self.table is None:
+            raise InvalidRequestError("the snapshot store is not started")
+        table = self.table.pack_table(slab.ptr, segments, slot_lists)
+        if self._runs is None:
+            run_host(table)
+            return None
+        return self._runs.run(table)
+
+    def tiers(self, slot_lists: Sequence[Sequence[int]]) -> tuple[int, int]:
+        """(device-tier blocks, host-tier blocks) among the (layer, key) pairs served."""
+        split = self.index.device_slots
+        host = sum(1 for slots in slot_lists for s in slots if s >= split)
+        return sum(len(slots) for slots in slot_lists) - host, host
+
+    def stats(self) -> dict[str, int]:
+        return {**self.index.stats(), "block_bytes": self.block_bytes,
+                "staged_blocks": self.staged_blocks}
+
+
+__all__ = ["SnapshotStore", "StoreTable", "PublishResult", "DEVICE", "HOST"]
