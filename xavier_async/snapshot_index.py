@@ -190,9 +190,11 @@ class SnapshotIndex:
             if key not in done:
                 self._free[self.tier_of(slot)].put(slot)
                 continue
-            if key in self._where:
+            old = self._where.get(key)
+            if old is not None:  # published again: its old slot is free
                 replaced.append(key)
                 self._forget(key)
+                self._free[self.tier_of(old)].put(old)
             self._set(key, slot)
             self.stored += 1
         return replaced

@@ -133,12 +133,12 @@ class SnapshotStore:
         from .layout import check_key, check_slot
         if len(keys) != len(slots):
             raise InvalidRequestError(f"{len(keys)} keys but {len(slots)} slots")
-        if len(set(keys)) != len(keys):
-            raise InvalidRequestError("a key is named twice in one publish")
         for key, slot in zip(keys, slots):
             check_key(key)
             for layer, spec in self.layout.layers.items():
                 check_slot(slot, spec, layer)
+        if len(set(keys)) != len(keys):
+            raise InvalidRequestError("a key is named twice in one publish")
 
     async def publish(self, keys: Sequence[BlockKey], slots: Sequence[int],
                       on_move: Any) -> PublishResult:

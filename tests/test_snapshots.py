@@ -1,0 +1,230 @@
+"""The snapshot store in an endpoint (:mod:`xavier_async.snapshots`): published blocks are
+copied out of the engine's slots, so the engine may overwrite them at once; small budgets
+force demotion and eviction, reported at publish time; leases pin what a copy reads; every
+load's bytes are checked against what was published, never against the live slots."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+import torch
+
+from xavier_async import (EndpointConfig, InvalidRequestError, LocalFabric, LocalTransport,
+                          PublishResult, RemoteError)
+from xavier_async.testing import FaultyTransport
+
+from .conftest import assert_same_bytes, cluster, random_cache, zero_cache
+
+pytestmark = pytest.mark.anyio
+
+KiB = 1024
+SLOTS, LAYERS = 32, 3
+BLOCK = 256 * 4                              # [256] float32: 1 KiB a layer, 3 KiB a block
+
+
+def _caches(seed: int) -> dict[int, torch.Tensor]:
+    return {layer: random_cache(SLOTS, (256,), torch.float32, seed * 10 + layer) for layer in range(LAYERS)}
+
+
+def _zeros() -> dict[int, torch.Tensor]:
+    return {layer: zero_cache(SLOTS, (256,), torch.float32) for layer in range(LAYERS)}
+
+
+def _cfg(device_blocks: int, host_blocks: int, **kw) -> EndpointConfig:
+    return EndpointConfig(full_bytes=16 * KiB, small_bytes=2 * KiB,
+                          snapshot_gpu_bytes=device_blocks * LAYERS * BLOCK,
+                          snapshot_cpu_bytes=host_blocks * LAYERS * BLOCK, **kw)
+
+
+def _all_layers(key, slot: int) -> dict[int, dict]:
+    return {layer: {key: slot} for layer in range(LAYERS)}
+
+
+def _expect(published: dict, key, slot: int, dst: dict[int, torch.Tensor]) -> None:
+    for layer in range(LAYERS):
+        assert_same_bytes(dst[layer][slot], published[key][layer])
+
+
+async def test_the_engine_may_overwrite_a_published_slot_at_once():
+    """The slot-reuse contract: once publish_blocks returns the engine's slots are free;
+    loads return the bytes as published, not what the slots hold now."""
+    src = _caches(1)
+    async with cluster([_zeros(), src], _cfg(8, 8)) as (a, b):
+        snap = {k: {layer: src[layer][k].clone() for layer in range(LAYERS)} for k in range(4)}
+        result = await b.publish_blocks(list(range(4)), list(range(4)))
+        assert result == PublishResult(available=(0, 1, 2, 3))
+        for t in src.values():
+            t[:4].copy_(torch.randn(4, 256))               # the engine reuses the slots
+        out = await a.load({1: {layer: {k: 10 + k for k in range(4)} for layer in range(LAYERS)}})
+        for k in range(4):
+            _expect(snap, k, 10 + k, a.caches)
+        assert out.device_tier_blocks == 4 * LAYERS and out.host_tier_blocks == 0
+
+
+async def test_without_a_store_blocks_are_served_from_the_live_slots():
+    src = _caches(2)
+    cfg = _cfg(0, 0)
+    async with cluster([_zeros(), src], cfg) as (a, b):
+        b.publish(5, 5)
+        src[0][5].fill_(7.0)                               # served from the slot itself
+        out = await a.load({1: {0: {5: 1}}})
+        assert_same_bytes(a.caches[0][1], torch.full((256,), 7.0))
+        assert out.device_tier_blocks == out.host_tier_blocks == 0
+        assert b.recv_slab_stats["snapshot_tiers"] == 0
+
+
+async def test_small_budgets_demote_evict_and_skip_and_say_so():
+    """Two device slots and two host slots: a third block demotes the least recently used;
+    a fifth drops one (evicted, reported); loads of demoted blocks come from the host tier;
+    an evicted key is refused, nothing written; with every slot leased a block is skipped."""
+    src = _caches(3)
+    async with cluster([_zeros(), src], _cfg(2, 2)) as (a, b):
+        snap = {k: {layer: src[layer][k].clone() for layer in range(LAYERS)} for k in range(6)}
+        r1 = await b.publish_blocks([0, 1], [0, 1])
+        await a.load({1: _all_layers(0, 20)})              # 0 used: 1 is the LRU now
+        r2 = await b.publish_blocks([2], [2])
+        assert r1.available == (0, 1) and r2.demoted == (1,) and r2.evicted == ()
+        r3 = await b.publish_blocks([3, 4], [3, 4])
+        assert set(r3.demoted) <= {0, 2} and len(r3.evicted) == 1 and r3.available == (3, 4)
+        out = await a.load({1: _all_layers(1, 21)})        # 1 lives in the host tier
+        _expect(snap, 1, 21, a.caches)
+        assert out.host_tier_blocks == LAYERS and out.device_tier_blocks == 0
+        gone = r3.evicted[0]
+        with pytest.raises(RemoteError, match="not published"):
+            await a.load({1: _all_layers(gone, 22)})
+        assert not a.caches[0][22].any()
+        for k in (3, 4) + tuple(k for k in (0, 2) if k != gone):
+            await a.load({1: _all_layers(k, 23)})
+            _expect(snap, k, 23, a.caches)
+        stats = b.snapshot_metrics()["snapshot"]
+        assert stats["device_used"] == 2 and stats["host_used"] == 2 and stats["evicted"] == 1
+        b.check_invariants(idle=True)
+
+
+async def test_a_block_being_served_is_never_evicted_nor_demoted():
+    """A copy reading block 0 is held in flight: publishing past both budgets moves every
+    other block but not that one; it lands exactly, and once its copy is terminal it may
+    go."""
+    src = _caches(4)
+    wrap = {1: lambda f: FaultyTransport(LocalTransport(f))}
+    async with cluster([_zeros(), src], _cfg(1, 1), wrap=wrap) as (a, b):
+        held = b.transport
+        snap = {k: {layer: src[layer][k].clone() for layer in range(LAYERS)} for k in range(4)}
+        await b.publish_blocks([0], [0])
+        held.hold_next_writes(1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.load, {1: _all_layers(0, 10)})
+            await held.wait_stalled(1)                     # the copy of block 0 is in flight
+            r = await b.publish_blocks([1, 2], [1, 2])     # 0 leased: only the host tier moves
+            assert 0 not in r.evicted and 0 not in r.demoted
+            assert b._source.store.index.slot(0) == 0
+            held.release_held()
+        _expect(snap, 0, 10, a.caches)
+        assert b._source.store.index.leased == 0           # released with the copy
+        r = await b.publish_blocks([3], [3])               # now block 0 may move
+        assert 0 in r.demoted + r.evicted
+        b.check_invariants(idle=True)
+
+
+async def test_publish_checks_everything_before_anything_moves():
+    src = _caches(5)
+    async with cluster([_zeros(), src], _cfg(4, 4)) as (a, b):
+        for keys, slots in (([0, 1], [0]), ([0, 0], [1, 2]), ([0, [1]], [1, 2]), ([0, 1], [1, 99]),
+                            ([0, 1], [1, -1]), ([0, 1.5], [1, 2])):
+            with pytest.raises(InvalidRequestError):
+                await b.publish_blocks(keys, slots)
+        assert b.snapshot_metrics()["snapshot"]["stored"] == 0
+        with pytest.raises(InvalidRequestError, match="whole blocks"):
+            b.publish(7, 7, layers=[0])
+        with pytest.raises(InvalidRequestError, match="whole blocks"):
+            b.unpublish(7, layers=[0])
+        assert b.publish(7, 7).available == (7,)
+        b.unpublish(7)
+        with pytest.raises(RemoteError):
+            await a.load({1: {0: {7: 1}}})
+
+
+async def test_publishing_before_start_and_a_single_block_at_a_time():
+    src = _caches(6)
+    fabric = LocalFabric()
+    from xavier_async import Endpoint
+    b = Endpoint(1, src, fabric.transport(), _cfg(2, 2))
+    assert b.publish(3, 3).available == (3,)               # before async with: staged now
+    snap = {layer: src[layer][3].clone() for layer in range(LAYERS)}
+    for t in src.values():
+        t[3].zero_()
+    async with Endpoint(0, _zeros(), fabric.transport(), _cfg(2, 2)) as a, b:
+        await a.connect(b.address)
+        await a.load({1: _all_layers(3, 4)})
+        _expect({3: snap}, 3, 4, a.caches)
+
+
+async def test_a_flood_of_publishes_past_both_budgets_while_peers_load():
+    """Two loaders load while the source publishes 4x more blocks than its tiers hold (the
+    engine rewriting its slots after every publish, as a serving engine does). Every load
+    that succeeds holds exactly the bytes published under its key; a load of an evicted
+    key is refused and writes nothing."""
+    rng = random.Random(11)
+    src = _caches(7)
+    published: dict[int, dict[int, torch.Tensor]] = {}
+    outcomes = {"ok": 0, "refused": 0}
+    async with cluster([_zeros(), src, _zeros()], _cfg(4, 4)) as (a, b, c):
+        live: list[int] = []
+
+        async def publisher() -> None:
+            for key in range(32):
+                slot = key % 8
+                for layer in range(LAYERS):                # the engine writes this block
+                    src[layer][slot].copy_(torch.randn(256, generator=torch.Generator().manual_seed(key * 7 + layer)))
+                published[key] = {layer: src[layer][slot].clone() for layer in range(LAYERS)}
+                r = await b.publish_blocks([key], [slot])
+                live.extend(r.available)
+                for gone in r.evicted:
+                    live.remove(gone)
+                await anyio.sleep(0)
+
+        async def loader(ep, base: int) -> None:
+            for i in range(60):
+                if not live:
+                    await anyio.sleep(0.001)
+                    continue
+                key, dst = rng.choice(live), base + i % 10
+                for t in ep.caches.values():
+                    t[dst].zero_()
+                try:
+                    await ep.load({1: _all_layers(key, dst)})
+                except RemoteError:
+                    outcomes["refused"] += 1
+                    assert not any(ep.caches[layer][dst].any() for layer in range(LAYERS))
+                    continue
+                _expect(published, key, dst, ep.caches)
+                outcomes["ok"] += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(publisher)
+            tg.start_soon(loader, a, 0)
+            tg.start_soon(loader, c, 10)
+        stats = b.snapshot_metrics()["snapshot"]
+        assert stats["evicted"] > 0 and stats["demoted"] > 0, stats
+        assert outcomes["ok"] > 0, outcomes
+        b.check_invariants(idle=True)
+
+
+async def test_close_waits_for_the_copies_that_read_the_store():
+    src = _caches(8)
+    wrap = {1: lambda f: FaultyTransport(LocalTransport(f))}
+    async with cluster([_zeros(), src], _cfg(2, 2), wrap=wrap) as (a, b):
+        held = b.transport
+        await b.publish_blocks([0], [0])
+        held.hold_next_writes(1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.load, {1: _all_layers(0, 1)})
+            await held.wait_stalled(1)
+            assert b._source.store.index.leased == 1
+            tg.start_soon(b.aclose)                        # drains: the copy finishes first
+            await anyio.sleep(0.01)
+            assert b._source.store.index.leased == 1
+            held.release_held()
+        assert b._source.store.index.leased == 0
