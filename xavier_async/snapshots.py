@@ -42,12 +42,14 @@ class PublishResult:
     loadable now; ``evicted`` keys were dropped from the store to make room (unregister
     them from your block index); ``skipped`` keys found no room in either tier and are not
     loadable; ``demoted`` keys moved from the device tier to the host tier (still
-    loadable)."""
+    loadable); ``failed`` keys could not be copied into the store (a copy error, logged)
+    and are not loadable."""
 
     available: tuple[BlockKey, ...]
     evicted: tuple[BlockKey, ...] = ()
     skipped: tuple[BlockKey, ...] = ()
     demoted: tuple[BlockKey, ...] = ()
+    failed: tuple[BlockKey, ...] = ()
 
 
 class StoreTable:
@@ -162,19 +164,40 @@ class SnapshotStore:
             targets = list(plan.place.values())
             await self._wait_unleased(targets)
             t0 = perf_counter_ns()
-            await self._copy(self._stage_table(plan, engine_slot))
+            staged, failed = await self._stage(plan, engine_slot)
             self.stage_ns += perf_counter_ns() - t0
-            self.staged_blocks += len(plan.place)
+            self.staged_blocks += len(staged)
         except BaseException:
             index.abort(plan)
             for m in plan.demote:
                 on_move(m.key, None)
             raise
-        index.commit(plan)
+        index.commit(plan, staged)
+        for key in staged:
+            on_move(key, plan.place[key])
+        return PublishResult(tuple(staged), tuple(plan.drop), tuple(plan.skip),
+                             tuple(m.key for m in plan.demote), failed)
+
+    async def _stage(self, plan: Admission, engine_slot: Mapping[BlockKey, int],
+                     ) -> tuple[list[BlockKey], tuple[BlockKey, ...]]:
+        """Copy the placed blocks in one pass; if that fails, block by block, so that a
+        failure drops only the blocks it concerns. Returns (staged, failed)."""
+        try:
+            await self._copy(self._stage_table(plan, engine_slot))
+            return list(plan.place), ()
+        except Exception:
+            log.warning("staging %d block(s) in one pass failed; staging them one by one",
+                        len(plan.place), exc_info=True)
+        staged, failed = [], []
         for key, slot in plan.place.items():
-            on_move(key, slot)
-        return PublishResult(tuple(plan.place), tuple(plan.drop), tuple(plan.skip),
-                             tuple(m.key for m in plan.demote))
+            one = Admission(place={key: slot})
+            try:
+                await self._copy(self._stage_table(one, engine_slot))
+                staged.append(key)
+            except Exception:
+                log.warning("staging block %r failed: it is not published", key, exc_info=True)
+                failed.append(key)
+        return staged, tuple(failed)
 
     def publish_now(self, key: BlockKey, slot: int, on_move: Any) -> PublishResult:
         """:meth:`publish` of one block, synchronously (``Endpoint.publish``): the copy
