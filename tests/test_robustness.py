@@ -166,8 +166,8 @@ async def test_a_pack_failure_is_a_transfer_error_and_the_source_keeps_serving(m
     mapping, and the next loads are served."""
     import xavier_async.source as endpoint_module
     from xavier_async.snapshots import SnapshotStore
-    owner = SnapshotStore if store else endpoint_module
-    real_pack = getattr(owner, "pack")
+    owner, name = (SnapshotStore, "run") if store else (endpoint_module, "pack")
+    real_pack = getattr(owner, name)
     calls = {"n": 0}
 
     def flaky_pack(*args, **kwargs):
@@ -176,7 +176,7 @@ async def test_a_pack_failure_is_a_transfer_error_and_the_source_keeps_serving(m
             raise RuntimeError("device out of memory (injected)")
         return real_pack(*args, **kwargs)
 
-    monkeypatch.setattr(owner, "pack", flaky_pack)
+    monkeypatch.setattr(owner, name, flaky_pack)
     fabric = LocalFabric()
     src = {0: random_cache(8, (16,), torch.float32, 1)}
     dst = {0: zero_cache(8, (16,), torch.float32)}

@@ -282,3 +282,26 @@ async def test_a_peer_lost_mid_serve_releases_its_leases():
             held.lose_peer(0)                               # the loader is gone mid-copy
             held.release_held()
         await _idle(b)
+
+
+async def test_one_block_over_every_layer_is_written_straight_from_the_store():
+    """One block hash over every layer is one region of the store: it is written straight
+    into the peer's receive slab, no gather; two hashes are gathered (layer-major in the
+    slab); with direct_write_regions=0 everything is gathered. Bytes exact every time."""
+    src = _caches(11)
+    for regions, expect_direct in ((1, [1, 1, 0]), (0, [0, 0, 0])):
+        async with cluster([_zeros(), src], _cfg(8, 8, direct_write_regions=regions)) as (a, b):
+            snap = {k: {layer: src[layer][k].clone() for layer in range(LAYERS)} for k in range(4)}
+            await b.publish_blocks([0, 1, 2, 3], [0, 1, 2, 3])
+            seen = []
+            for req, checks in (({1: _all_layers(0, 10)}, [(0, 10)]),
+                                ({1: {0: {1: 11}}}, []),                      # one layer, one key
+                                ({1: {layer: {2: 12, 3: 13} for layer in range(LAYERS)}},
+                                 [(2, 12), (3, 13)])):
+                before = b._source.direct_writes
+                await a.load(req)
+                seen.append(b._source.direct_writes - before)
+                for key, slot in checks:
+                    _expect(snap, key, slot, a.caches)
+            assert_same_bytes(a.caches[0][11], snap[1][0])
+            assert seen == expect_direct, seen

@@ -138,6 +138,19 @@ class PeerChannel:
             self._account(plan)
         return pending
 
+    def post_regions(self, plan: CopyPlan, regions: tuple[tuple[int, int, int], ...],
+                     notify: bytes | None) -> object | None:
+        """Start a WRITE straight from a registered pool (the snapshot store) into the
+        plan's receive slab: ``regions`` of ``(address, offset in the slab, bytes)``; the
+        plan's wire bytes are the regions' (what moves). As :meth:`post` otherwise."""
+        try:
+            pending = self.transport.post_regions(self.peer, regions, plan.slab, notify)
+        except Exception as exc:
+            raise self._failed(exc) from exc
+        if pending is None:
+            self._account(plan)
+        return pending
+
     async def finish(self, plan: CopyPlan, pending: object) -> None:
         """Wait, shielded, until a posted copy is terminal; count it, or reset and raise."""
         try:

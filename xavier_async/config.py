@@ -95,6 +95,15 @@ class EndpointConfig:
     pages are touched only as blocks land there, and the seed's deployment served most
     warm batches from its CPU tier. Both 0: no store, blocks are served from the engine's
     live slots (zero copy, and the engine must not reuse a slot it published).
+
+    ``direct_write_regions``: a serve from the store whose blocks lie in the store as at
+    most this many contiguous regions of the device tier (one block over every layer is
+    one region; so are consecutive slots of a single layer) is written straight from the
+    store into the peer's receive slab, with no gather into a send slab (no source
+    kernel); anything else is gathered with one pass, then written. A direct write moves
+    exactly the payload (as ``trimmed`` does), whatever view the channel's machine chose.
+    0 (the default): always gather. Where the crossover lies (a descriptor's cost against
+    a gather's, measured by ``xavier-async bench``): docs/concepts.md.
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -114,6 +123,7 @@ class EndpointConfig:
     small_round_trips: int | None = None
     snapshot_gpu_bytes: int = 256 * MiB
     snapshot_cpu_bytes: int | None = None
+    direct_write_regions: int = 0
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +154,8 @@ class EndpointConfig:
             "snapshot_gpu_bytes", self.snapshot_gpu_bytes, minimum=0))
         host = default_host_tier_bytes() if self.snapshot_cpu_bytes is None else self.snapshot_cpu_bytes
         object.__setattr__(self, "snapshot_cpu_bytes", check_int("snapshot_cpu_bytes", host, minimum=0))
+        object.__setattr__(self, "direct_write_regions", check_int(
+            "direct_write_regions", self.direct_write_regions, minimum=0, maximum=4096))
         check_size("trim_align", self.trim_align)
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         if not isinstance(self.retry, RetryPolicy):

@@ -438,7 +438,8 @@ class Endpoint:
         self.metrics.memory_registrations = self.transport.memory_registrations
         out = {**self.metrics.as_dict(), "slabs": self.recv_slab_stats}
         if self._source.store is not None:
-            out["snapshot"] = self._source.store.stats()
+            out["snapshot"] = {**self._source.store.stats(),
+                               "direct_writes": self._source.direct_writes}
         return out
 
     def check_invariants(self, *, idle: bool = False) -> None:

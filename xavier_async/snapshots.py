@@ -320,17 +320,32 @@ class SnapshotStore:
                 for key in seg.keys:
                     touch(key)
 
-    def pack(self, slab: SlabRows, segments: Sequence[Segment],
-             slot_lists: Sequence[Sequence[int]]) -> Any:
-        """Gather a serve's blocks from the tiers into a send slab (memmoves on the CPU;
-        on CUDA one fused launch, whose event is returned)."""
+    def gather_table(self, slab: SlabRows, segments: Sequence[Segment],
+                     slot_lists: Sequence[Sequence[int]]) -> RunTable:
+        """The runs gathering a serve's blocks from the tiers into a send slab."""
         if self.table is None:
             raise InvalidRequestError("the snapshot store is not started")
-        table = self.table.pack_table(slab.ptr, segments, slot_lists)
+        return self.table.pack_table(slab.ptr, segments, slot_lists)
+
+    def run(self, table: RunTable) -> Any:
+        """Execute a gather (memmoves on the CPU; on CUDA one fused launch, whose event
+        is returned)."""
         if self._runs is None:
             run_host(table)
             return None
         return self._runs.run(table)
+
+    def writable_directly(self, table: RunTable) -> bool:
+        """Whether a gather's sources may be written to a peer straight from the store:
+        host caches (both tiers are host memory), or every source in the device tier
+        (the memory kind of the slabs)."""
+        if self.layout.device.type == "cpu":
+            return True
+        if self.device_pool is None:
+            return False
+        lo = self.device_pool.data_ptr()
+        hi = lo + self.device_pool.numel()
+        return all(lo <= s and s + n <= hi for s, n in zip(table[1], table[2]))
 
     def tiers(self, slot_lists: Sequence[Sequence[int]]) -> tuple[int, int]:
         """(device-tier blocks, host-tier blocks) among the (layer, key) pairs served."""

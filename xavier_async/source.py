@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from time import perf_counter_ns
 
 import anyio
@@ -70,6 +71,11 @@ class Source:
                       if cfg.snapshot_gpu_bytes or cfg.snapshot_cpu_bytes else None)
         #: per send slab in use: the store slots its copy reads (leased until terminal)
         self._leased: dict[int, tuple[int, ...]] = {}
+        #: serves from the store of at most this many regions are written straight from it
+        self._direct_max = cfg.direct_write_regions
+        self._direct = bool(cfg.direct_write_regions) and rt.transport.direct_writes
+        #: serves written straight from the store (no gather)
+        self.direct_writes = 0
         #: the store's tiers (allocated now, so that blocks can be published before start;
         #: registered with the transport at start)
         self.pool_tensors = self._allocate_store()
@@ -246,6 +252,7 @@ class Source:
         plan = ch.commit(load.payload, ready.view, load.useful, load.slab, send)
         t_pack = perf_counter_ns()
         tiers = (0, 0)
+        regions: tuple[tuple[int, int, int], ...] = ()
         try:
             if store is None:
                 event = pack(self._rows[send], load.segments, ready.slot_lists, caches.table,
@@ -254,7 +261,16 @@ class Source:
                 self._leased[send] = store.lease(ready.slot_lists)
                 store.touch(load.segments)
                 tiers = store.tiers(ready.slot_lists)
-                event = store.pack(self._rows[send], load.segments, ready.slot_lists)
+                rows = self._rows[send]
+                table = store.gather_table(rows, load.segments, ready.slot_lists)
+                if (self._direct and not load.verify and len(table[2]) <= self._direct_max
+                        and store.writable_directly(table)):
+                    # few regions: written straight from the store, nothing gathered
+                    regions = tuple((s, d - rows.ptr, n) for d, s, n in zip(*table))
+                    plan = replace(plan, wire_bytes=sum(table[2]))
+                    event = None
+                else:
+                    event = store.run(table)
             if event is not None:  # NIXL does not order against CUDA streams
                 event.synchronize()
             digest = (payload_digest(self.slabs[send].tensor, load.payload)
@@ -265,8 +281,12 @@ class Source:
             raise TransferError(f"packing a batch for rank {ch.peer} failed: {exc!r}") from exc
         posted = perf_counter_ns()
         stages.pack.record(posted - t_pack)
-        pending = ch.post(plan, Landed(load.req_id, plan.wire_bytes, digest, plan.slab,
-                                       tiers).to_wire())
+        landed = Landed(load.req_id, plan.wire_bytes, digest, plan.slab, tiers).to_wire()
+        if regions:
+            self.direct_writes += 1
+            pending = ch.post_regions(plan, regions, landed)
+        else:
+            pending = ch.post(plan, landed)
         if pending is None:
             stages.post_to_done.record(perf_counter_ns() - posted)
         return plan, pending, posted

@@ -12,6 +12,7 @@ Used by the failure-model tests, and by users who want to see how their stack re
 
 from __future__ import annotations
 
+import ctypes
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -91,8 +92,19 @@ class _Stalled:
     owner: Any = None
 
 
+@dataclass(frozen=True)
+class _Regions:
+    """A write straight from a pool (:meth:`Transport.post_regions`), carried through the
+    same fault injection as a write through a mapping."""
+
+    regions: tuple[tuple[int, int, int], ...]
+    slab: int
+
+
 class FaultyTransport(Transport):
-    """Delegates to ``inner`` and injects the faults of a :class:`FaultPlan`."""
+    """Delegates to ``inner`` and injects the faults of a :class:`FaultPlan` (a write from
+    a pool, :meth:`post_regions`, fails, stalls, is held and lands late like any other;
+    only corruption is not injected into it)."""
 
     def __init__(self, inner: Transport, plan: FaultPlan | None = None) -> None:
         super().__init__()
@@ -243,8 +255,9 @@ class FaultyTransport(Transport):
         fail = bool(self._fail_writes) or self._rng.random() < self.plan.write_failure_rate
         if fail:
             self._fail_writes = max(0, self._fail_writes - 1)
-        if self._corrupt_writes or (self.plan.corruption_rate
-                                    and self._rng.random() < self.plan.corruption_rate):
+        if not isinstance(mapping, _Regions) and (
+                self._corrupt_writes or (self.plan.corruption_rate
+                                         and self._rng.random() < self.plan.corruption_rate)):
             self._corrupt_writes = max(0, self._corrupt_writes - 1)
             self._corrupt(peer, mapping, nbytes, notify)
             return None
@@ -257,7 +270,7 @@ class FaultyTransport(Transport):
             else:
                 delay = self._stall_writes.pop(0) if self._stall_writes else self.plan.stall_seconds
             self.injected.writes_stalled += 1
-            target = self.inner.target(peer, mapping) if self.plan.late_writes_land else None  # type: ignore[attr-defined]
+            target = self._target(peer, mapping) if self.plan.late_writes_land else None
             stalled = _Stalled(peer, mapping, nbytes, notify, delay, fail, target, gate,
                                owner=getattr(self.inner, "_peers", {}).get(peer))
             self._stalled.append(stalled)
@@ -268,7 +281,26 @@ class FaultyTransport(Transport):
         if fail:
             self.injected.writes_failed += 1
             raise TransferError(f"injected write failure to rank {peer}")
+        return self._inner_post(peer, mapping, nbytes, notify)
+
+    @property
+    def direct_writes(self) -> bool:  # type: ignore[override]
+        return self.inner.direct_writes
+
+    def post_regions(self, peer: int, regions: tuple[tuple[int, int, int], ...], slab: int,
+                     notify: bytes | None) -> object | None:
+        return self.post(peer, _Regions(regions, slab), sum(n for _, _, n in regions), notify)
+
+    def _inner_post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
+        if isinstance(mapping, _Regions):
+            return self.inner.post_regions(peer, mapping.regions, mapping.slab, notify)
         return self.inner.post(peer, mapping, nbytes, notify)
+
+    def _target(self, peer: int, mapping: object) -> Any:
+        if isinstance(mapping, _Regions):
+            other = self.inner._peer(peer)  # type: ignore[attr-defined]
+            return other, other.recv_slabs[mapping.slab].tensor
+        return self.inner.target(peer, mapping)  # type: ignore[attr-defined]
 
     def _corrupt(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> None:
         """Post the write with one bit of its first byte flipped on the way, then put the
@@ -301,7 +333,11 @@ class FaultyTransport(Transport):
                     # the connection ended during the stall: the write lands anyway, as a
                     # one-sided write the target cannot revoke, and its notification
                     # reaches the target as a late message
-                    dst[:pending.nbytes].copy_(pending.mapping.view.tensor[:pending.nbytes])  # type: ignore[attr-defined]
+                    if isinstance(pending.mapping, _Regions):
+                        for addr, off, n in pending.mapping.regions:
+                            ctypes.memmove(dst.data_ptr() + off, addr, n)
+                    else:
+                        dst[:pending.nbytes].copy_(pending.mapping.view.tensor[:pending.nbytes])  # type: ignore[attr-defined]
                     self.injected.late_writes_landed += 1
                     if pending.notify is not None and other.host is not None and other._address is not None:
                         other.host.deliver_late(self._host.rank, pending.notify)
@@ -312,7 +348,7 @@ class FaultyTransport(Transport):
             if pending.fail:
                 self.injected.writes_failed += 1
                 raise TransferError(f"injected write failure to rank {pending.peer} (after a stall)")
-            inner = self.inner.post(pending.peer, pending.mapping, pending.nbytes, pending.notify)
+            inner = self._inner_post(pending.peer, pending.mapping, pending.nbytes, pending.notify)
             if inner is not None:
                 await self.inner.wait(inner)
         finally:

@@ -239,6 +239,19 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                 assert ep.recv_slab is not None
                 return digest(ep.recv_slab.tensor[:nbytes])
 
+            async def publish_blocks(arg: Any) -> dict[str, Any]:
+                """``{"keys": [...], "slots": [...]}``: the slots get their pattern back,
+                are published, then zeroed (the engine reuses them at once: loads must
+                still see the published bytes, from the snapshot store)."""
+                keys, slots = list(arg["keys"]), list(arg["slots"])
+                fresh = pattern_caches(spec.layout, spec.rank, spec.seed, spec.device)
+                for layer, t in caches.items():
+                    t[slots] = fresh[layer][slots]
+                r = await ep.publish_blocks(keys, slots)
+                for t in caches.values():
+                    t[slots] = 0
+                return asdict(r)
+
             async def peers(_: Any) -> list[int]:
                 return list(ep.peers)
 
@@ -289,6 +302,7 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                 return out
 
             await serve_commands(conn, {"connect": ep.connect, "load": load, "host_time": host_time,
+                                        "publish_blocks": publish_blocks,
                                         "recv_digest": recv_digest, "peers": peers,
                                         "metrics": metrics, "replay": replay,
                                         "check_replay": check_replay})

@@ -69,6 +69,8 @@ class Transport(abc.ABC):
 
     #: short name used in metrics and benchmark output
     name: str = "abstract"
+    #: whether :meth:`post_regions` can write straight from a registered pool
+    direct_writes: bool = False
 
     def __init__(self) -> None:
         self.memory_registrations = 0
@@ -150,6 +152,15 @@ class Transport(abc.ABC):
         here. Returns ``None`` when the copy already reached its terminal state, else a
         token for :meth:`wait`. ``notify`` reaches the peer's :meth:`TransportHost.deliver`
         after the bytes have landed. Raises :class:`TransferError` on failure."""
+
+    def post_regions(self, peer: int, regions: tuple[tuple[int, int, int], ...], slab: int,
+                     notify: bytes | None) -> object | None:
+        """Start one WRITE of several regions straight from memory registered with
+        :meth:`add_pool`: each ``(local address, offset in the peer's receive slab
+        number slab, bytes)``; otherwise as :meth:`post` (``None``: already terminal,
+        else a token for :meth:`wait`; ``notify`` reaches the peer after the bytes).
+        Only where :attr:`direct_writes` is true."""
+        raise NotImplementedError(f"the {self.name} transport cannot write from a pool")
 
     @abc.abstractmethod
     async def wait(self, pending: object) -> None:

@@ -7,6 +7,7 @@ equal-length ranges and then delivers its notification.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,12 @@ class LocalTransport(Transport):
     """Copies with ``torch.Tensor.copy_`` between endpoints of one process."""
 
     name = "local"
+
+    @property
+    def direct_writes(self) -> bool:  # type: ignore[override]
+        """Host memory only: a region write is a memmove into the peer's receive slab."""
+        layout = getattr(getattr(self, "_owner", None), "layout", None)
+        return layout is None or layout.device.type == "cpu"
 
     def __init__(self, fabric: LocalFabric | None = None) -> None:
         super().__init__()
@@ -168,6 +175,25 @@ class LocalTransport(Transport):
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
         other, dst = self.target(peer, mapping)  # (a LocalMapping of ours, or an error)
         dst[:nbytes].copy_(mapping.view.tensor[:nbytes])  # type: ignore[attr-defined]
+        if notify is not None:
+            other._me.deliver(self._me.rank, notify)
+        return None
+
+    def post_regions(self, peer: int, regions: tuple[tuple[int, int, int], ...], slab: int,
+                     notify: bytes | None) -> object | None:
+        other = self._peer(peer)
+        target = other.recv_slabs.get(slab)
+        if target is None:
+            raise InvalidRequestError(f"rank {peer} has no receive slab {slab}")
+        dst = target.tensor
+        if dst.device.type != "cpu":
+            raise InvalidRequestError("the local transport writes regions into host memory only")
+        base, end = dst.data_ptr(), dst.data_ptr() + dst.numel()
+        for _, off, n in regions:
+            if off < 0 or base + off + n > end:
+                raise InvalidRequestError(f"a region of {n} B at {off} does not fit receive slab {slab}")
+        for addr, off, n in regions:
+            ctypes.memmove(base + off, addr, n)
         if notify is not None:
             other._me.deliver(self._me.rank, notify)
         return None

@@ -65,7 +65,7 @@ _XT = b"XT:"
 
 class _Peer:
     __slots__ = ("rank", "agent", "recv_ptrs", "recv_dev", "mem", "fs", "lost", "handles", "hello",
-                 "joined", "told")
+                 "joined", "told", "direct")
 
     def __init__(self, rank: int, agent: str, recv_ptrs: dict[int, int], recv_dev: int, mem: str,
                  fs: FrameStream, hello: dict[str, Any], told: set[int]) -> None:
@@ -80,6 +80,9 @@ class _Peer:
         self.handles: dict[tuple[int, int, int], _Mapping] = {}
         #: our receive slabs this peer knows (their registrations reached its agent)
         self.told = told
+        #: (its receive slab, regions of our pools) -> transfer handle, least recently
+        #: used first (writes straight from a snapshot tier)
+        self.direct: OrderedDict[tuple[int, tuple[tuple[int, int, int], ...]], Any] = OrderedDict()
 
     @property
     def recv_ptr(self) -> int:
@@ -146,6 +149,7 @@ class NixlTransport(Transport):
     """
 
     name = "nixl"
+    direct_writes = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
                  backends: tuple[str, ...] = ("UCX",), idle_poll: float = 0.0005,
@@ -201,6 +205,8 @@ class NixlTransport(Transport):
         self._mem = "DRAM"
         self._dev = 0
         self._reg: list[Any] = []
+        #: registered pools (snapshot tiers): (first address, end, memory type, device)
+        self._pools: list[tuple[int, int, str, int]] = []
         #: receive slabs by index and their registrations
         self._recv_slabs: dict[int, Slab] = {}
         self._recv_regs: dict[int, Any] = {}
@@ -319,10 +325,11 @@ class NixlTransport(Transport):
         if cuda and (self._send_slab is None or memory.device != self._send_slab.device):
             raise InvalidRequestError(f"a snapshot tier on {memory.device}, not on the endpoint's device")
         agent = self._agent
-        reg = agent.register_memory(agent.get_reg_descs(
-            [(memory.data_ptr(), memory.numel() * memory.element_size(),
-              (memory.device.index or 0) if cuda else 0, "")], "VRAM" if cuda else "DRAM"))
+        nbytes = memory.numel() * memory.element_size()
+        mem, dev = ("VRAM", memory.device.index or 0) if cuda else ("DRAM", 0)
+        reg = agent.register_memory(agent.get_reg_descs([(memory.data_ptr(), nbytes, dev, "")], mem))
         self._reg.append(reg)
+        self._pools.append((memory.data_ptr(), memory.data_ptr() + nbytes, mem, dev))
         self.memory_registrations += 1
 
     async def add_recv_slab(self, slab: Slab) -> None:
@@ -519,6 +526,9 @@ class NixlTransport(Transport):
             for h in m.by_len.values():
                 self._release_handle(h)
         peer.handles.clear()
+        for h in peer.direct.values():
+            self._release_handle(h)
+        peer.direct.clear()
 
     def _drop(self, rank: int) -> None:
         peer = self._peers.pop(rank, None)
@@ -589,6 +599,41 @@ class NixlTransport(Transport):
                         break
         elif nbytes != m.view_bytes:
             m.by_len.move_to_end(nbytes)
+        return self._start(p, h, nbytes, notify)
+
+    def post_regions(self, peer: int, regions: tuple[tuple[int, int, int], ...], slab: int,
+                     notify: bytes | None) -> object | None:
+        """One WRITE of ``regions`` straight from a registered pool (a snapshot tier) into
+        the peer's receive slab ``slab``. Its transfer handle is kept in a per-peer LRU
+        (``trim_handles`` of them), so a block served again re-posts its handle."""
+        p = self._peer(peer)
+        if slab not in p.recv_ptrs:
+            raise InvalidRequestError(f"rank {peer} has not shared a receive slab {slab}")
+        key = (slab, regions)
+        h = p.direct.get(key)
+        if h is None:
+            mem, dev = self._pool_of(regions)
+            base = p.recv_ptrs[slab]
+            agent = self._agent
+            h = agent.initialize_xfer(
+                "WRITE", agent.get_xfer_descs([(a, n, dev) for a, _, n in regions], mem),
+                agent.get_xfer_descs([(base + off, n, p.recv_dev) for _, off, n in regions], p.mem),
+                p.agent)
+            p.direct[key] = h
+            if len(p.direct) > self.trim_handles:
+                self._release_handle(p.direct.popitem(last=False)[1])
+        else:
+            p.direct.move_to_end(key)
+        return self._start(p, h, sum(n for _, _, n in regions), notify)
+
+    def _pool_of(self, regions: tuple[tuple[int, int, int], ...]) -> tuple[str, int]:
+        """(memory type, device) of the one registered pool every region lies in."""
+        for lo, hi, mem, dev in self._pools:
+            if all(lo <= a and a + n <= hi for a, _, n in regions):
+                return mem, dev
+        raise InvalidRequestError("a region to write is not inside one registered pool")
+
+    def _start(self, p: _Peer, h: Any, nbytes: int, notify: bytes | None) -> object | None:
         agent = self._agent
         now = time.monotonic()
         self._last_activity = now
@@ -605,7 +650,7 @@ class NixlTransport(Transport):
         if state == "DONE":
             return None
         if state != "PROC":
-            raise TransferError(f"NIXL reported {state} for a copy of {nbytes} B to rank {peer}")
+            raise TransferError(f"NIXL reported {state} for a copy of {nbytes} B to rank {p.rank}")
         self._in_flight[id(h)] = p.rank
         return _Pending(p, h, nbytes, now + self.write_timeout)
 
