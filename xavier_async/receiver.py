@@ -29,8 +29,8 @@ import anyio
 import torch
 
 from .config import LoadResult
-from .errors import (EndpointClosedError, IntegrityError, InvalidRequestError, PeerLostError,
-                     RegistrationError, XavierError)
+from .errors import (EndpointClosedError, IntegrityError, InternalError, InvalidRequestError,
+                     PeerLostError, RegistrationError, XavierError)
 from .fairpool import Ticket
 from .merging import MergedBatch, Moved
 from .packing import SlabRows, unpack
@@ -399,6 +399,13 @@ class Receiver:
         self.requests.fail(EndpointClosedError("endpoint closed"))
 
     # -- diagnostics -----------------------------------------------------------------------
+    def check(self, idle: bool) -> None:
+        """The receive slabs' bookkeeping holds; ``idle``: none is lent or awaited."""
+        recv = self.slabs
+        recv.check()
+        if idle and (recv.pool.held or recv.pool.waiting):
+            raise InternalError(f"idle, yet receive slabs are lent or awaited: {self.stats()}")
+
     def stats(self) -> dict[str, int]:
         if self._recv is None:
             return {}

@@ -24,8 +24,8 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .channel import CopyPlan, PeerChannel
-from .errors import (EndpointClosedError, InvalidRequestError, PeerLostError, TransferError,
-                     XavierError)
+from .errors import (EndpointClosedError, InternalError, InvalidRequestError, PeerLostError,
+                     TransferError, XavierError)
 from .fairpool import FairPool, Ticket
 from .layout import BlockKey, LayerId, check_key, check_layers, check_slot
 from ._checks import check_int
@@ -433,10 +433,17 @@ class Source:
         finally:
             self._rt.leave_work()
 
-    def check(self) -> None:
-        """Raise :class:`~xavier_async.errors.InternalError` if the send pool's
-        bookkeeping is broken."""
+    def check(self, idle: bool) -> None:
+        """Raise :class:`~xavier_async.errors.InternalError` if the send pool's or the
+        store's bookkeeping is broken; ``idle``: no send slab is lent or awaited and no
+        store slot is leased."""
         self.pool.check()
+        if self.store is not None:
+            self.store.index.check()
+        if idle and (self.pool.held or self.pool.waiting or
+                     (self.store is not None and self.store.index.leased)):
+            raise InternalError(f"idle, yet {self.pool.held} send slab(s) are lent, "
+                                f"{self.pool.waiting} awaited, and store slots leased")
 
 
 __all__ = ["Source"]
