@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from xavier_async import Endpoint, EndpointConfig, LocalFabric, LocalTransport, Transport
+from xavier_async.lifecycle import Phase
+from xavier_async.slabs import Slab
 from xavier_async.bench.raw import accept_raw_copies
 from xavier_async.testing import FaultPlan, FaultyTransport
 
@@ -135,6 +137,71 @@ async def cluster(caches: Sequence[Mapping[object, torch.Tensor]],
                 for j in range(i + 1, len(eps)):
                     await eps[i].connect(eps[j].address)
         yield eps
+
+
+def cancellable(ep: Endpoint, request: dict):
+    """A load in a cancel scope of its own: (scope, outcome, the task to start); once
+    the task has returned, ``outcome["cancelled"]`` says whether the scope caught it."""
+    scope = anyio.CancelScope()
+    outcome: dict[str, bool] = {}
+
+    async def run() -> None:
+        with scope:
+            await ep.load(request)
+        outcome["cancelled"] = scope.cancelled_caught
+
+    return scope, outcome, run
+
+
+async def until(cond: Callable[[], object], what: str) -> None:
+    """Yield to the other tasks until ``cond()`` holds (bounded; an ordering, not a timing)."""
+    with anyio.fail_after(10):
+        while not cond():
+            await anyio.sleep(0)
+    assert cond(), what
+
+
+async def cancel_and_wait(scope: anyio.CancelScope, outcome: dict[str, bool]) -> bool:
+    """Cancel a :func:`cancellable` load and wait until it has returned; whether its scope
+    caught the cancellation."""
+    scope.cancel()
+    await until(lambda: "cancelled" in outcome, "the cancellation returned")
+    return outcome["cancelled"]
+
+
+# -- the internals a few tests check on purpose: one helper per concept -------------------
+# (everything else goes through the public surface: recv_slab_stats, snapshot_metrics(),
+# check_invariants(), recv_slabs, metrics)
+
+def lifecycle_phase(ep: Endpoint) -> Phase:
+    """Where ``ep`` is in its lifecycle (``closed`` says only "closing or closed")."""
+    return ep._rt.life.phase
+
+
+def forming_groups(ep: Endpoint) -> dict[tuple[int, bool], int]:
+    """The receiver's merged groups forming now: (source, large) -> batches in it."""
+    return {key: len(group.members) for key, group in ep._receiver.scheduler.forming.items()}
+
+
+def recv_pool(ep: Endpoint) -> tuple[set[int], set[int]]:
+    """The receive slabs in the pool by index: (free, lent)."""
+    pool = ep._receiver.slabs.pool
+    return set(pool._free), set(pool._held)
+
+
+def fenced_slabs(ep: Endpoint) -> set[int]:
+    """The receive slabs fenced now (out of the pool: a stale writer may still write)."""
+    return set(ep._receiver.slabs.fenced)
+
+
+def recv_slab(ep: Endpoint, index: int) -> Slab:
+    """Receive slab ``index`` of ``ep`` (in the pool, a spare or fenced)."""
+    return {slab.index: slab for slab in ep.recv_slabs}[index]
+
+
+def queued_at_source(ep: Endpoint) -> int:
+    """Load requests queued at source ``ep`` for a send slab."""
+    return ep._source._queued
 
 
 def run_bench_cli(tmp_dir, *args: str) -> tuple[str, dict]:

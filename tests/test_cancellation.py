@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -20,7 +22,7 @@ from xavier_async._internal import mapped_views
 from xavier_async import EndpointClosedError, EndpointConfig
 
 from .conftest import (asyncio_only, KiB, CountingTransport, assert_caches_unchanged, assert_same_bytes,
-                       cluster, faulty, random_cache, snapshot)
+                       cluster, faulty, lifecycle_phase, random_cache, snapshot)
 
 pytestmark = pytest.mark.anyio  # every test runs on asyncio and on trio
 
@@ -54,12 +56,71 @@ def check(dst, src, pairs):
             assert_same_bytes(dst[layer][d], src[layer][s])
 
 
-async def test_cancelled_loader_waits_for_its_started_copy():
-    cs = caches(2)
+def untouched(cs, orig, slot):
+    """Endpoint 0's ``slot`` still holds its own bytes, in both layers."""
+    for layer in (0, "v"):
+        assert_same_bytes(cs[0][layer][slot], orig[0][layer][slot])
+
+
+@asynccontextmanager
+async def stalled(n=2, stall=STALL, **kw) -> AsyncIterator[tuple[list, list, list]]:
+    """The setup of most tests here: ``n`` endpoints (``caches(n)``, ``cfg(**kw)``), the
+    others publishing ``k0..k15`` to endpoint 0, and endpoint 1's next write stalled for
+    ``stall`` seconds (a FaultyTransport). Yields (caches, their bytes before, endpoints)."""
+    cs = caches(n)
     orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
-        publish(b)
-        b.transport.stall_next_writes(1, STALL)
+    async with cluster(cs, cfg(**kw), wrap={1: faulty()}) as eps:
+        for ep in eps[1:]:
+            publish(ep)
+        eps[1].transport.stall_next_writes(1, stall)
+        yield cs, orig, eps
+
+
+@asynccontextmanager
+async def copying(a, b, request) -> AsyncIterator[dict]:
+    """Run ``a.load(request)`` in a task; enter once ``b``'s copy for it has started (and
+    stalled), leave once the load has ended. The dict gets the load's ``result`` and
+    ``done`` (its ``time.monotonic()``) when it returns."""
+    out: dict = {}
+
+    async def load():
+        out["result"] = await a.load(request)
+        out["done"] = time.monotonic()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(load)
+        await b.transport.wait_stalled()               # the copy has started
+        yield out
+
+
+async def loads_again(a, cs, orig, pairs):
+    """Endpoint 0 is fine afterwards: a load of ``pairs`` from rank 1 lands the right bytes."""
+    await a.load(req(1, pairs))
+    check(cs[0], orig[1], pairs)
+
+
+async def not_unpacked_then_loads(a, cs, orig, pairs):
+    """The cancelled load's copy was not unpacked (endpoint 0's caches are as before), and
+    the next load (``pairs`` from rank 1) is right."""
+    assert_caches_unchanged(cs[0], orig[0])
+    await loads_again(a, cs, orig, pairs)
+
+
+@asynccontextmanager
+async def stalled_raw_copy() -> AsyncIterator[list]:
+    """Two endpoints accepting bare copies: 0's channel to 1 is mapped and warm (one copy
+    made), the send slab then holds other bytes, and 0's next write stalls ``STALL`` s."""
+    async with cluster(caches(2), cfg(), raw_copies=True, wrap={0: faulty()}) as eps:
+        a = eps[0]
+        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 241)
+        await copy_raw(a, 1, 16 * KiB)                  # mapped, warm
+        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 239)
+        a.transport.stall_next_writes(1, STALL)
+        yield eps
+
+
+async def test_cancelled_loader_waits_for_its_started_copy():
+    async with stalled() as (cs, orig, (a, b)):
         reached_after_load = False
         t0 = time.monotonic()
         with anyio.move_on_after(EARLY) as scope:
@@ -73,20 +134,14 @@ async def test_cancelled_loader_waits_for_its_started_copy():
         assert b.metrics.peer(0).batches_sent == 1                # the copy did complete
         assert_caches_unchanged(cs[0], orig[0])                   # ... and was not unpacked
         # the receive slab is free again and the next load is correct
-        await a.load(req(1, [(5, 6)]))
-        check(cs[0], orig[1], [(5, 6)])
+        await loads_again(a, cs, orig, [(5, 6)])
         assert_same_bytes(cs[0][0][4], orig[0][0][4])
 
 
 async def test_receive_slab_not_reused_before_the_cancelled_copy_ends():
     """With one receive slab, the next load waits for the cancelled copy's slab (with a
     pool, the slab stays lent instead: test_concurrency.py)."""
-    cs = caches(3)
-    orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(receive_slabs=1), wrap={1: faulty()}) as (a, b, c):
-        publish(b)
-        publish(c)
-        b.transport.stall_next_writes(1, STALL)
+    async with stalled(3, receive_slabs=1) as (cs, orig, (a, b, c)):
         done = {}
         t0 = time.monotonic()
 
@@ -111,17 +166,12 @@ async def test_receive_slab_not_reused_before_the_cancelled_copy_ends():
         assert done["cancelled"][0] >= STALL * MARGIN
         assert done["next"] >= STALL * MARGIN      # waited for the slab, did not overtake
         check(cs[0], orig[2], [(2, 2), (3, 3)])
-        for layer in (0, "v"):
-            assert_same_bytes(cs[0][layer][1], orig[0][layer][1])
+        untouched(cs, orig, 1)
 
 
 @pytest.mark.parametrize("how", ["nested", "twice"])
 async def test_cancel_twice(how):
-    cs = caches(2)
-    orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
-        publish(b)
-        b.transport.stall_next_writes(1, STALL)
+    async with stalled() as (cs, orig, (a, b)):
         after = []
         t0 = time.monotonic()
         async with anyio.create_task_group() as tg:
@@ -143,18 +193,12 @@ async def test_cancel_twice(how):
             assert outer.cancel_called and outer.cancelled_caught and after == []
         else:
             assert inner.cancelled_caught and after == ["outer"]
-        assert_caches_unchanged(cs[0], orig[0])
-        await a.load(req(1, [(9, 10)]))
-        check(cs[0], orig[1], [(9, 10)])
+        await not_unpacked_then_loads(a, cs, orig, [(9, 10)])
 
 
 @asyncio_only
 async def test_native_asyncio_cancel_waits_for_the_copy():
-    cs = caches(2)
-    orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
-        publish(b)
-        b.transport.stall_next_writes(1, STALL)
+    async with stalled() as (cs, orig, (a, b)):
         t0 = time.monotonic()
         task = asyncio.ensure_future(a.load(req(1, [(2, 3)])))
         await b.transport.wait_stalled()               # the copy has started
@@ -166,37 +210,24 @@ async def test_native_asyncio_cancel_waits_for_the_copy():
         assert time.monotonic() - t0 >= STALL * MARGIN
         assert task.cancelled()
         assert b.metrics.peer(0).batches_sent == 1
-        assert_caches_unchanged(cs[0], orig[0])
-        await a.load(req(1, [(4, 5)]))
-        check(cs[0], orig[1], [(4, 5)])
+        await not_unpacked_then_loads(a, cs, orig, [(4, 5)])
 
 
 @asyncio_only
 async def test_asyncio_timeout_around_a_stalled_load():
-    cs = caches(2)
-    orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
-        publish(b)
-        b.transport.stall_next_writes(1, STALL)
+    async with stalled() as (cs, orig, (a, b)):
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(EARLY):
                 await a.load(req(1, [(2, 3)]))
         assert time.monotonic() - t0 >= STALL * MARGIN
-        assert_caches_unchanged(cs[0], orig[0])
-        await a.load(req(1, [(2, 3)]))
-        check(cs[0], orig[1], [(2, 3)])
+        await not_unpacked_then_loads(a, cs, orig, [(2, 3)])
 
 
 async def test_a_load_that_never_started_is_cancelled_at_once():
     """A load waiting for the (only) receive slab is cancelled at once, nothing sent."""
     stall = 0.6
-    cs = caches(3)
-    orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(receive_slabs=1), wrap={1: faulty()}) as (a, b, c):
-        publish(b)
-        publish(c)
-        b.transport.stall_next_writes(1, stall)
+    async with stalled(3, stall, receive_slabs=1) as (cs, orig, (a, b, c)):
         res = {}
 
         async def first():
@@ -216,8 +247,7 @@ async def test_a_load_that_never_started_is_cancelled_at_once():
         assert caught and elapsed < stall - 0.1       # not held back by b's stalled copy
         assert c.metrics.peer(0).batches_sent == 0   # nothing was sent for it
         check(cs[0], orig[1], [(0, 0)])
-        for layer in (0, "v"):
-            assert_same_bytes(cs[0][layer][1], orig[0][layer][1])
+        untouched(cs, orig, 1)
 
 
 async def test_cancelled_registration_is_not_cached():
@@ -237,12 +267,7 @@ async def test_cancelled_registration_is_not_cached():
 
 
 async def test_cancelled_raw_copy_waits_for_the_write():
-    cs = caches(2)
-    async with cluster(cs, cfg(), raw_copies=True, wrap={0: faulty()}) as (a, b):
-        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 241)
-        await copy_raw(a, 1, 16 * KiB)                  # mapped, warm
-        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 239)
-        a.transport.stall_next_writes(1, STALL)
+    async with stalled_raw_copy() as (a, b):
         t0 = time.monotonic()
         with anyio.move_on_after(EARLY) as scope:
             await copy_raw(a, 1, 16 * KiB)
@@ -253,12 +278,7 @@ async def test_cancelled_raw_copy_waits_for_the_write():
 
 @asyncio_only
 async def test_native_cancel_of_a_raw_copy_waits_for_the_write():
-    cs = caches(2)
-    async with cluster(cs, cfg(), raw_copies=True, wrap={0: faulty()}) as (a, b):
-        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 241)
-        await copy_raw(a, 1, 16 * KiB)
-        a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 239)
-        a.transport.stall_next_writes(1, STALL)
+    async with stalled_raw_copy() as (a, b):
         t0 = time.monotonic()
         task = asyncio.ensure_future(copy_raw(a, 1, 16 * KiB))
         await a.transport.wait_stalled()               # the copy has started
@@ -273,29 +293,14 @@ async def test_native_cancel_of_a_raw_copy_waits_for_the_write():
 # -- close --------------------------------------------------------------------------------
 
 async def test_close_drains_in_flight_loads_then_rejects_new_work():
-    cs = caches(2)
-    orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
-        publish(b)
-        b.transport.stall_next_writes(1, STALL)
-        out = {}
+    async with stalled() as (cs, orig, (a, b)):
         t0 = time.monotonic()
-
-        async def load():
-            out["result"] = await a.load(req(1, [(6, 7), (8, 9)]))
-            out["load_done"] = time.monotonic() - t0
-
-        async def close():
-            await b.transport.wait_stalled()           # the copy has started
-            await a.aclose()
-            out["closed"] = time.monotonic() - t0
-
         with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(load)
-                tg.start_soon(close)
+            async with copying(a, b, req(1, [(6, 7), (8, 9)])) as out:
+                await a.aclose()
+                closed = time.monotonic() - t0
         assert out["result"].blocks == 4
-        assert out["closed"] >= out["load_done"] >= STALL * MARGIN
+        assert closed >= out["done"] - t0 >= STALL * MARGIN
         check(cs[0], orig[1], [(6, 7), (8, 9)])
         assert a.closed
         with pytest.raises(EndpointClosedError):
@@ -310,19 +315,8 @@ async def test_close_drains_in_flight_loads_then_rejects_new_work():
 
 
 async def test_source_close_drains_the_copy_it_is_serving():
-    cs = caches(2)
-    orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
-        publish(b)
-        b.transport.stall_next_writes(1, STALL)
-        out = {}
-
-        async def load():
-            out["result"] = await a.load(req(1, [(2, 2)]))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(load)
-            await b.transport.wait_stalled()           # the copy has started
+    async with stalled() as (cs, orig, (a, b)):
+        async with copying(a, b, req(1, [(2, 2)])) as out:
             t0 = time.monotonic()
             await b.aclose()
             assert time.monotonic() - t0 >= (STALL - EARLY) * MARGIN
@@ -332,47 +326,30 @@ async def test_source_close_drains_the_copy_it_is_serving():
 
 
 async def test_concurrent_closes_all_wait_for_the_drain():
-    cs = caches(2)
-    orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
-        publish(b)
-        b.transport.stall_next_writes(1, STALL)
+    async with stalled() as (cs, orig, (a, b)):
         ends = []
         t0 = time.monotonic()
 
         async def close():
-            await b.transport.wait_stalled()           # the copy has started
             await a.aclose()
             ends.append(time.monotonic() - t0)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(a.load, req(1, [(3, 3)]))
+        async with copying(a, b, req(1, [(3, 3)])), anyio.create_task_group() as closers:
             for _ in range(3):
-                tg.start_soon(close)
+                closers.start_soon(close)
         assert len(ends) == 3 and min(ends) >= STALL * MARGIN
         check(cs[0], orig[1], [(3, 3)])
 
 
 async def test_cancelled_close_still_finishes_cleanup():
-    cs = caches(2)
-    orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
-        publish(b)
-        b.transport.stall_next_writes(1, STALL)
-        out = {}
-
-        async def load():
-            out["result"] = await a.load(req(1, [(4, 4)]))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(load)
-            await b.transport.wait_stalled()           # the copy has started
+    async with stalled() as (cs, orig, (a, b)):
+        async with copying(a, b, req(1, [(4, 4)])) as out:
             t0 = time.monotonic()
             with anyio.move_on_after(EARLY) as scope:
                 await a.aclose()
             assert scope.cancel_called
             assert time.monotonic() - t0 >= (STALL - EARLY) * MARGIN
-            assert a.closed and a._rt.life.phase.value == "closed"
+            assert a.closed and lifecycle_phase(a).value == "closed"
         assert out["result"].blocks == 2
         check(cs[0], orig[1], [(4, 4)])
         assert b.peers == ()                            # the transport was released
@@ -383,11 +360,7 @@ async def test_cancelled_close_still_finishes_cleanup():
 
 @asyncio_only
 async def test_native_cancel_of_close_still_finishes_cleanup():
-    cs = caches(2)
-    orig = [snapshot(c) for c in cs]
-    async with cluster(cs, cfg(), wrap={1: faulty()}) as (a, b):
-        publish(b)
-        b.transport.stall_next_writes(1, STALL)
+    async with stalled() as (cs, orig, (a, b)):
         load = asyncio.ensure_future(a.load(req(1, [(4, 4)])))
         await b.transport.wait_stalled()               # the copy has started
         t0 = time.monotonic()
@@ -397,7 +370,7 @@ async def test_native_cancel_of_close_still_finishes_cleanup():
         with pytest.raises(asyncio.CancelledError):
             await closing
         assert time.monotonic() - t0 >= (STALL - EARLY) * MARGIN
-        assert a.closed and a._rt.life.phase.value == "closed" and b.peers == ()
+        assert a.closed and lifecycle_phase(a).value == "closed" and b.peers == ()
         assert (await load).blocks == 2
         check(cs[0], orig[1], [(4, 4)])
 

@@ -17,8 +17,9 @@ import torch
 from xavier_async import (EndpointClosedError, EndpointConfig, IntegrityError, PeerLostError,
                           XavierError)
 
-from .conftest import (KiB, assert_same_bytes, cluster, faulty,
-                       random_cache, snapshot, zero_cache)
+from .conftest import (KiB, assert_same_bytes, cancel_and_wait, cancellable, cluster, faulty,
+                       fenced_slabs, forming_groups, queued_at_source, random_cache, recv_pool,
+                       recv_slab, snapshot, until, zero_cache)
 
 anyio_test = pytest.mark.anyio   # the in-process tests run on asyncio and trio
 
@@ -53,26 +54,37 @@ def check(dst, srcs, request: dict) -> None:
             assert_same_bytes(dst[0][slot], srcs[src][0][key])
 
 
-def cancellable(ep, request: dict):
-    """A load in a cancel scope of its own: (scope, outcome, the task to start); once
-    the task has returned, ``outcome["cancelled"]`` says whether the scope caught it."""
-    scope = anyio.CancelScope()
-    outcome: dict[str, bool] = {}
-
-    async def run() -> None:
-        with scope:
-            await ep.load(request)
-        outcome["cancelled"] = scope.cancelled_caught
-
-    return scope, outcome, run
+def random_requests(rng: random.Random, sizes: list[int]) -> list[dict]:
+    """16 loads from ranks 1 and 2 in turn, of ``rng.choice(sizes)`` random keys each, into
+    distinct slots (6i .. 6i + 5)."""
+    return [req(1 + i % 2, rng.sample(range(SLOTS), rng.choice(sizes)), slot0=6 * i)
+            for i in range(16)]
 
 
-async def until(cond, what: str) -> None:
-    """Yield to the other tasks until ``cond()`` holds (bounded; an ordering, not a timing)."""
-    with anyio.fail_after(10):
-        while not cond():
-            await anyio.sleep(0)
-    assert cond(), what
+async def load_concurrently(ep, cs, requests: list[dict]) -> None:
+    """Start every load at once (a task each), wait for all, then check every byte."""
+    async with anyio.create_task_group() as tg:
+        for r in requests:
+            tg.start_soon(ep.load, r)
+    for r in requests:
+        check(cs[0], cs, r)
+
+
+def free_slabs(ep) -> int:
+    """Receive slabs free in the pool now (in the pool and not lent)."""
+    stats = ep.recv_slab_stats
+    return stats["usable"] - stats["in_use"]
+
+
+@asynccontextmanager
+async def served(cfg=CFG, n: int = 2, wrap=None):
+    """The setup of most tests here: ``caches(n)`` in a cluster, rank 0 loading, ranks 1..
+    publishing every slot. ``wrap`` as for ``cluster``; by default every source is behind a
+    FaultyTransport (whose writes a test can hold). Yields (caches, endpoints)."""
+    cs = caches(n)
+    async with cluster(cs, cfg, wrap={r: faulty() for r in range(1, n)} if wrap is None else wrap) as eps:
+        publish(*eps[1:])
+        yield cs, eps
 
 
 def test_config_validates_the_pool_sizes():
@@ -88,9 +100,7 @@ def test_config_validates_the_pool_sizes():
 async def test_many_loads_in_flight_from_two_sources_every_byte_checked():
     """16 concurrent loads, small and large, from two sources; the sources' first writes
     are held until K loads are in flight at once (so the pools really are used)."""
-    cs = caches(3)
-    async with cluster(cs, CFG, wrap={1: faulty(), 2: faulty()}) as (a, b, c):
-        publish(b, c)
+    async with served(CFG, 3) as (cs, (a, b, c)):
         rng = random.Random(5)
         # distinct destination slots per load: slots 6i .. 6i + 5
         requests = [req(1 + i % 2, rng.sample(range(SLOTS), 1 if i % 4 < 2 else len(LARGE)),
@@ -116,10 +126,8 @@ async def test_many_loads_in_flight_from_two_sources_every_byte_checked():
 async def test_one_slab_each_way_is_the_one_batch_at_a_time_design():
     """K = S = 1: two slab registrations per endpoint (and the store's tiers), one batch in flight at a time, and
     concurrent loads still all complete with the right bytes (they queue)."""
-    cs = caches(3)
     one = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=1, send_slabs=1)
-    async with cluster(cs, one) as (a, b, c):
-        publish(b, c)
+    async with served(one, 3, wrap={}) as (cs, (a, b, c)):
         assert all(ep.transport.memory_registrations == 2 + T for ep in (a, b, c))
         rng = random.Random(2)
         requests = [req(1 + i % 2, rng.sample(range(SLOTS), 1 if i % 3 else len(LARGE)), slot0=6 * i)
@@ -158,10 +166,8 @@ async def test_a_source_serves_several_copies_at_once_to_one_and_to_several_peer
 async def test_queued_requests_get_send_slabs_in_arrival_order():
     """With the source's one send slab busy, requests queue; they are served in the order
     they arrived (each write's target receive slab tells which request it serves)."""
-    cs = caches(2)
     cfgs = [CFG, EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, send_slabs=1)]
-    async with cluster(cs, cfgs, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(cfgs) as (cs, (a, b)):
         inner = b.transport.inner
         order: list[int] = []
         post = inner.post
@@ -178,9 +184,8 @@ async def test_queued_requests_get_send_slabs_in_arrival_order():
             await b.transport.wait_stalled(1)
             for n, r in enumerate(rs[1:], start=1):
                 tg.start_soon(a.load, r)
-                await until(lambda: b._source._queued == n, "queued at the source, in this order")
-            held = a._receiver.slabs.pool._held
-            slabs = sorted(held)          # each load holds its own receive slab
+                await until(lambda: queued_at_source(b) == n, "queued at the source, in this order")
+            slabs = sorted(recv_pool(a)[1])          # each load holds its own receive slab
             b.transport.release_held()
         assert order == slabs == [0, 1, 2, 3]
         for r in rs:
@@ -193,10 +198,8 @@ async def test_a_small_load_completes_while_large_ones_are_stalled(receive_slabs
     """No head-of-line blocking: with K - 1 large copies held, one more large load waits
     and a small one goes through (its bytes checked) before any large one has finished.
     With one receive slab there is no reservation: the small load waits too."""
-    cs = caches(2)
     cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=receive_slabs)
-    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(cfg) as (cs, (a, b)):
         held = max(1, receive_slabs - 1)
         large = [req(1, LARGE, slot0=8 * i) for i in range(held + 1)]
         small = req(1, [40], slot0=60)
@@ -231,10 +234,8 @@ async def test_a_small_load_completes_while_large_ones_are_stalled(receive_slabs
 
 @anyio_test
 async def test_back_pressure_is_a_wait_never_an_error():
-    cs = caches(2)
     cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=2, send_slabs=2)
-    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(cfg) as (cs, (a, b)):
         b.transport.hold_next_writes(2)
         rs = [req(1, [i], slot0=i) for i in range(6)]
         async with anyio.create_task_group() as tg:
@@ -251,11 +252,9 @@ async def test_back_pressure_is_a_wait_never_an_error():
 
 @anyio_test
 async def test_cancelling_a_load_that_waits_for_a_slab_takes_nothing():
-    cs = caches(2)
-    before = snapshot(cs[0])
     cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=2)
-    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(cfg) as (cs, (a, b)):
+        before = snapshot(cs[0])
         b.transport.hold_next_writes(2)
         rs = [req(1, [i], slot0=i) for i in range(2)]
         scope, outcome, waiting_load = cancellable(a, req(1, [9], slot0=20))
@@ -266,9 +265,7 @@ async def test_cancelling_a_load_that_waits_for_a_slab_takes_nothing():
             await b.transport.wait_stalled(2)
             tg.start_soon(waiting_load)
             await until(lambda: a.recv_slab_stats["waiting"] == 1, "it waits for a slab")
-            scope.cancel()
-            await until(lambda: "cancelled" in outcome, "the cancellation returned")
-            assert outcome["cancelled"]
+            assert await cancel_and_wait(scope, outcome)
             stats = a.recv_slab_stats
             assert stats["waiting"] == 0 and stats["in_use"] == 2     # it took nothing
             b.transport.release_held()
@@ -281,10 +278,8 @@ async def test_cancelling_a_load_that_waits_for_a_slab_takes_nothing():
 
 @anyio_test
 async def test_a_cancelled_load_keeps_its_slab_until_its_copy_is_terminal():
-    cs = caches(2)
-    before = snapshot(cs[0])
-    async with cluster(cs, CFG, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served() as (cs, (a, b)):
+        before = snapshot(cs[0])
         b.transport.hold_next_writes(1)
         scope, outcome, cancelled_load = cancellable(a, req(1, [5], slot0=5))
 
@@ -293,12 +288,12 @@ async def test_a_cancelled_load_keeps_its_slab_until_its_copy_is_terminal():
             await b.transport.wait_stalled(1)
             scope.cancel()
             # meanwhile other loads use the other slabs, never the lent one
-            lent = a._receiver.slabs.pool._held.copy()
+            _, lent = recv_pool(a)
             for i in range(8):
                 r = req(1, [10 + i], slot0=10 + i)
                 await a.load(r)
                 check(cs[0], cs, r)
-                assert a._receiver.slabs.pool._held.keys() >= lent.keys()
+                assert recv_pool(a)[1] >= lent
             assert "cancelled" not in outcome and a.recv_slab_stats["in_use"] == 1
             b.transport.release_held()
         assert outcome["cancelled"]
@@ -308,9 +303,7 @@ async def test_a_cancelled_load_keeps_its_slab_until_its_copy_is_terminal():
 
 @anyio_test
 async def test_a_lost_peer_fails_only_its_own_loads():
-    cs = caches(3)
-    async with cluster(cs, CFG, wrap={1: faulty(), 2: faulty()}) as (a, b, c):
-        publish(b, c)
+    async with served(CFG, 3) as (cs, (a, b, c)):
         b.transport.hold_next_writes(2)
         c.transport.hold_next_writes(1)
         results: dict[str, BaseException | None] = {}
@@ -343,9 +336,7 @@ async def test_a_lost_peer_fails_only_its_own_loads():
 
 @anyio_test
 async def test_close_drains_every_load_in_flight():
-    cs = caches(3)
-    async with cluster(cs, CFG, wrap={1: faulty(), 2: faulty()}) as (a, b, c):
-        publish(b, c)
+    async with served(CFG, 3) as (cs, (a, b, c)):
         b.transport.hold_next_writes(2)
         c.transport.hold_next_writes(2)
         rs = [req(1, [1], 0), req(1, LARGE, 8), req(2, [2], 1), req(2, LARGE, 16)]
@@ -379,21 +370,13 @@ async def test_close_drains_every_load_in_flight():
 
 @anyio_test
 async def test_registrations_are_s_plus_k_at_start_and_none_after_warm_up():
-    cs = caches(3)
-    async with cluster(cs, CFG) as (a, b, c):
-        publish(b, c)
+    async with served(CFG, 3, wrap={}) as (cs, (a, b, c)):
         for ep in (a, b, c):
             assert ep.transport.memory_registrations == S + K + T
             assert ep.recv_slab_stats["registered_at_start"] == S + K + T
         rng = random.Random(1)
         for _ in range(5):
-            requests = [req(1 + i % 2, rng.sample(range(SLOTS), rng.choice([1, 1, 6])), slot0=6 * i)
-                        for i in range(16)]
-            async with anyio.create_task_group() as tg:
-                for r in requests:
-                    tg.start_soon(a.load, r)
-            for r in requests:
-                check(cs[0], cs, r)
+            await load_concurrently(a, cs, random_requests(rng, [1, 1, 6]))
         for ep in (a, b, c):
             assert ep.transport.memory_registrations == S + K + T
             assert ep.recv_slab_stats["registered_since_start"] == 0
@@ -405,10 +388,8 @@ async def test_registrations_are_s_plus_k_at_start_and_none_after_warm_up():
 async def test_eager_mapping_maps_every_pair_when_a_peer_joins_and_nothing_after():
     """map_eagerly: each source maps 2 x S x K (send slab, view, receive slab) pairs for
     the loader as it joins; concurrent loads then register nothing at all."""
-    cs = caches(3)
     cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, map_eagerly=True)
-    async with cluster(cs, cfg) as (a, b, c):
-        publish(b, c)
+    async with served(cfg, 3, wrap={}) as (cs, (a, b, c)):
         for ep in (a, b, c):   # every pair is connected: each maps for both its peers
             for p in ep.peers:
                 await until(lambda ep=ep, p=p: ep.metrics.peer(p).registrations == 2 * S * K,
@@ -416,23 +397,15 @@ async def test_eager_mapping_maps_every_pair_when_a_peer_joins_and_nothing_after
         before = [ep.snapshot_metrics()["registrations"] for ep in (a, b, c)]
         rng = random.Random(2)
         for _ in range(3):
-            requests = [req(1 + i % 2, rng.sample(range(SLOTS), rng.choice([1, 6])), slot0=6 * i)
-                        for i in range(16)]
-            async with anyio.create_task_group() as tg:
-                for r in requests:
-                    tg.start_soon(a.load, r)
-            for r in requests:
-                check(cs[0], cs, r)
+            await load_concurrently(a, cs, random_requests(rng, [1, 6]))
         assert [ep.snapshot_metrics()["registrations"] for ep in (a, b, c)] == before
 
 
 @anyio_test
 async def test_verify_checks_each_concurrent_batch_in_its_own_slab():
-    cs = caches(2)
-    before = snapshot(cs[0])
     cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, verify=True)
-    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(cfg) as (cs, (a, b)):
+        before = snapshot(cs[0])
         b.transport.hold_next_writes(3)
         rs = [req(1, LARGE, 0), req(1, [7], 10), req(1, LARGE, 20)]
         results: list[object] = [None] * 4
@@ -465,30 +438,23 @@ async def test_a_fenced_slab_leaves_the_pool_and_the_others_carry_on():
     others; when they are all busy and loads wait, one replacement is registered (caused
     by the fence), the stale writer's late write lands only in the fenced slab, and its
     late reply makes it a spare, which the next fence uses instead of registering."""
-    cs = caches(3)
     cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, request_timeout=0.2)
-    async with cluster(cs, cfg, wrap={1: faulty(late_writes_land=True)}) as (a, b, c):
-        publish(b, c)
+    async with served(cfg, 3, wrap={1: faulty(late_writes_land=True)}) as (cs, (a, b, c)):
         b.transport.hold_next_writes(1)
         with pytest.raises(PeerLostError):
             await a.load(req(1, [3], 3))
         stats = a.recv_slab_stats
         assert stats["fenced_now"] == 1 and stats["usable"] == K - 1
         assert stats["registered_since_start"] == 0      # not needed yet: three are free
-        fenced = next(iter(a._receiver.slabs.fenced))
-        rs = [req(2, [i], 10 + i) for i in range(12)]
-        async with anyio.create_task_group() as tg:
-            for r in rs:
-                tg.start_soon(a.load, r)
-        for r in rs:
-            check(cs[0], cs, r)
+        fenced = next(iter(fenced_slabs(a)))
+        await load_concurrently(a, cs, [req(2, [i], 10 + i) for i in range(12)])
         stats = a.recv_slab_stats
         assert stats["usable"] == K and stats["registered_since_start"] == 1  # one, for the fence
-        assert fenced in a._receiver.slabs.fenced and fenced not in a._receiver.slabs.pool._free
+        assert fenced in fenced_slabs(a) and fenced not in recv_pool(a)[0]
         assert_same_bytes(cs[0][0][3], torch.zeros(256))
         b.transport.release_held()                      # the stale write lands, late
         await until(lambda: a.recv_slab_stats["fenced_now"] == 0, "its late reply released it")
-        slab = a._receiver.slabs.slabs[fenced]
+        slab = recv_slab(a, fenced)
         assert_same_bytes(slab.tensor[: 1 * KiB].view(torch.float32), cs[1][0][3])
         stats = a.recv_slab_stats
         assert stats["spares"] == 1 and stats["usable"] == K and stats["released_late"] == 1
@@ -531,16 +497,36 @@ async def _fill_the_slab(a, b, tg, slot0: int = 100) -> dict:
     return first
 
 
-async def _group_of_two(a, b, tg, leaving) -> tuple[dict, dict]:
-    """Fill the slab, then start ``leaving`` and a load that stays (slot 0); return once
-    both wait in one group: (the first load, the one that stays)."""
-    first = await _fill_the_slab(a, b, tg)
-    stay = req(1, [10], slot0=0)
-    tg.start_soon(leaving)
-    tg.start_soon(a.load, stay)
-    await until(lambda: len(a._receiver.scheduler.forming) == 1 and len(a._receiver.scheduler.forming[(1, False)].members) == 2,
-                "both in one group")
-    return first, stay
+class _GroupOfTwo:
+    """What :func:`_group_of_two` set up: rank 0's caches and their bytes before, the first
+    load (holding the only slab), the member that stays (slot 0) and the one that may
+    leave (slot 1: its scope and outcome)."""
+
+    def __init__(self, a, cs) -> None:
+        self.cs, self.before = cs, snapshot(cs[0])
+        self.scope, self.outcome, self.leaving = cancellable(a, req(1, [11], slot0=1))
+        self.first: dict = {}
+        self.stay = req(1, [10], slot0=0)
+
+    def check_only_the_stayer_landed(self) -> None:
+        """The leaver's slot kept its bytes; the first load and the stayer landed."""
+        assert_same_bytes(self.cs[0][0][1], self.before[0][1])
+        check(self.cs[0], self.cs, self.first)
+        check(self.cs[0], self.cs, self.stay)
+
+
+@asynccontextmanager
+async def _group_of_two():
+    """Two endpoints with one slab each way (``ONE``): fill the slab, then start a load
+    that may leave and one that stays; enter once both wait in one group, yielding
+    (a, b, the group); on exit ``b``'s held writes go (:func:`releasing`)."""
+    async with served(ONE) as (cs, (a, b)), releasing(b) as tg:
+        g = _GroupOfTwo(a, cs)
+        g.first = await _fill_the_slab(a, b, tg)
+        tg.start_soon(g.leaving)
+        tg.start_soon(a.load, g.stay)
+        await until(lambda: forming_groups(a) == {(1, False): 2}, "both in one group")
+        yield a, b, g
 
 
 async def _three_waiting(a, b, tg, results: dict) -> tuple[dict, list[dict]]:
@@ -559,16 +545,14 @@ async def _three_waiting(a, b, tg, results: dict) -> tuple[dict, list[dict]]:
 
 @anyio_test
 async def test_batches_that_wait_for_a_slab_go_out_in_one_copy():
-    cs = caches(2)
-    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(ONE) as (cs, (a, b)):
         results: dict = {}
         async with releasing(b) as tg:
             first, rs = await _three_waiting(a, b, tg, results)
             # 4 KiB small view: two of the three 2 KiB batches form a group, the third
             # starts another (both wait for the slab: two places in its queue, not three)
-            await until(lambda: a.recv_slab_stats["waiting"] == 2 and
-                        len(a._receiver.scheduler.forming[(1, False)].members) == 1, "two groups wait")
+            await until(lambda: a.recv_slab_stats["waiting"] == 2 and forming_groups(a).get((1, False)) == 1,
+                        "two groups wait")
             b.transport.release_held()
         m = a.metrics.peer(1)
         assert (m.batches_received, m.batches_merged) == (3, 1)
@@ -586,16 +570,13 @@ async def test_merge_small_bytes_lets_a_group_of_small_batches_grow_past_the_sma
     """With ``merge_small_bytes`` above the small view, small batches that wait merge up to
     it: three 2 KiB batches ride in one copy (through the full view: 6 KiB exceeds the
     4 KiB small view), each charged a third of it; every byte checked."""
-    cs = caches(2)
     cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, receive_slabs=1, send_slabs=1,
                          merge_small_bytes=8 * KiB)
-    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(cfg) as (cs, (a, b)):
         results: dict = {}
         async with releasing(b) as tg:
             first, rs = await _three_waiting(a, b, tg, results)
-            await until(lambda: len(getattr(a._receiver.scheduler.forming.get((1, False)), "members", ())) == 3,
-                        "one group of three")
+            await until(lambda: forming_groups(a).get((1, False)) == 3, "one group of three")
             assert a.recv_slab_stats["waiting"] == 1
             b.transport.release_held()
         m = a.metrics.peer(1)
@@ -625,26 +606,24 @@ async def test_small_round_trips_caps_the_small_copies_in_flight_to_a_source():
     """With one small round trip per source, small loads that arrive while one is in
     flight wait in one group although three slabs are free, and go out as one copy when
     it ends; a large load from the same source is not held by the cap; every byte checked."""
-    cs = caches(2)
-    async with cluster(cs, CAPPED, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(CAPPED) as (cs, (a, b)):
         results: dict = {}
         async with releasing(b) as tg:
             first = await _fill_the_slab(a, b, tg)           # one small copy in flight (held)
             rs = [req(1, [10 + i], slot0=i) for i in range(3)]
             for i, r in enumerate(rs):
                 tg.start_soon(lambda i=i, r=r: _into(results, i, a.load(r)))
-            await until(lambda: len(getattr(a._receiver.scheduler.forming.get((1, False)), "members", ())) == 3,
-                        "the three wait in one group")
-            assert a._receiver.slabs.pool.free == K - 1 and a._receiver.scheduler.lanes[1].waiting == 1
+            await until(lambda: forming_groups(a).get((1, False)) == 3, "the three wait in one group")
+            assert free_slabs(a) == K - 1 and a.recv_slab_stats["lanes_waiting"] == 1
             big = req(1, LARGE, slot0=20)
             await a.load(big)                               # large: past the cap, at once
             check(cs[0], cs, big)
-            assert len(results) == 0 and a._receiver.scheduler.lanes[1].held == 1
+            assert len(results) == 0 and a.recv_slab_stats["lanes_held"] == 1
             b.transport.release_held()
         m = a.metrics.peer(1)
         assert (m.batches_received, m.batches_merged) == (3, 2)   # first, large, the group
-        assert a._receiver.scheduler.lanes[1].held == a._receiver.scheduler.lanes[1].waiting == 0 and a._receiver.slabs.pool.free == K
+        stats = a.recv_slab_stats
+        assert stats["lanes_held"] == stats["lanes_waiting"] == 0 and free_slabs(a) == K
         for r in [first, *rs]:
             check(cs[0], cs, r)
 
@@ -658,21 +637,19 @@ async def test_a_load_cancelled_while_waiting_for_a_small_round_trip_takes_nothi
     """Cancelled while its group waits for the source's one small round trip, a load
     leaves the lane queue and takes no slab; its slot keeps its contents and the next
     load goes through."""
-    cs = caches(2)
-    async with cluster(cs, CAPPED, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(CAPPED) as (cs, (a, b)):
         async with releasing(b) as tg:
             first = await _fill_the_slab(a, b, tg)
             scope, outcome, run = cancellable(a, req(1, [7], slot0=3))
             tg.start_soon(run)
-            await until(lambda: a._receiver.scheduler.lanes[1].waiting == 1, "waits for the round trip")
-            scope.cancel()
-            await until(lambda: "cancelled" in outcome, "the load returned")
-            assert outcome["cancelled"] and not a._receiver.scheduler.forming and a._receiver.scheduler.lanes[1].waiting == 0
-            assert a._receiver.slabs.pool.free == K - 1               # only the held copy's slab is out
+            await until(lambda: a.recv_slab_stats["lanes_waiting"] == 1, "waits for the round trip")
+            assert await cancel_and_wait(scope, outcome)
+            stats = a.recv_slab_stats
+            assert stats["groups_forming"] == 0 and stats["lanes_waiting"] == 0
+            assert free_slabs(a) == K - 1               # only the held copy's slab is out
             b.transport.release_held()
         assert_same_bytes(cs[0][0][3], torch.zeros(256))    # never written
-        assert a._receiver.scheduler.lanes[1].held == 0 and a._receiver.slabs.pool.free == K
+        assert a.recv_slab_stats["lanes_held"] == 0 and free_slabs(a) == K
         nxt = req(1, [8], slot0=4)
         await a.load(nxt)
         for r in (first, nxt):
@@ -691,11 +668,9 @@ def test_small_round_trips_is_validated():
 
 @anyio_test
 async def test_merging_off_is_one_copy_per_batch():
-    cs = caches(2)
     cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, receive_slabs=1, send_slabs=1,
                          merge_loads=False)
-    async with cluster(cs, cfg, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(cfg) as (cs, (a, b)):
         rs = [req(1, [10 + i], slot0=i) for i in range(3)]
         async with releasing(b) as tg:
             first = await _fill_the_slab(a, b, tg)
@@ -710,36 +685,24 @@ async def test_merging_off_is_one_copy_per_batch():
 
 @anyio_test
 async def test_a_member_cancelled_before_its_group_starts_takes_nothing():
-    cs = caches(2)
-    before = snapshot(cs[0])
-    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
-        publish(b)
-        scope, outcome, leaving = cancellable(a, req(1, [11], slot0=1))
-        async with releasing(b) as tg:
-            first, stay = await _group_of_two(a, b, tg, leaving)
-            scope.cancel()
-            await until(lambda: "cancelled" in outcome, "the cancellation returned")
-            assert outcome["cancelled"]
-            b.transport.release_held()
-        assert a.metrics.peer(1).batches_merged == 0          # the group carried one batch
-        assert_same_bytes(cs[0][0][1], before[0][1])           # nothing requested for it
-        check(cs[0], cs, first)
-        check(cs[0], cs, stay)
+    async with _group_of_two() as (a, b, g):
+        assert await cancel_and_wait(g.scope, g.outcome)
+        b.transport.release_held()
+    assert a.metrics.peer(1).batches_merged == 0          # the group carried one batch
+    g.check_only_the_stayer_landed()                       # nothing requested for it
 
 
 @anyio_test
 async def test_when_every_member_leaves_the_group_leaves_the_slab_queue():
-    cs = caches(2)
-    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(ONE) as (cs, (a, b)):
         scope, outcome, leaving = cancellable(a, req(1, [11], slot0=1))
         async with releasing(b) as tg:
             first = await _fill_the_slab(a, b, tg)
             tg.start_soon(leaving)
             await until(lambda: a.recv_slab_stats["waiting"] == 1, "the group waits")
-            scope.cancel()
-            await until(lambda: "cancelled" in outcome, "the cancellation returned")
-            assert a.recv_slab_stats["waiting"] == 0 and not a._receiver.scheduler.forming
+            await cancel_and_wait(scope, outcome)
+            stats = a.recv_slab_stats
+            assert stats["waiting"] == 0 and stats["groups_forming"] == 0
             b.transport.release_held()
         assert b.metrics.peer(0).batches_sent == 1
         check(cs[0], cs, first)
@@ -750,32 +713,22 @@ async def test_when_every_member_leaves_the_group_leaves_the_slab_queue():
 
 @anyio_test
 async def test_a_member_cancelled_after_its_group_started_is_copied_not_unpacked():
-    cs = caches(2)
-    before = snapshot(cs[0])
-    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
-        publish(b)
-        scope, outcome, leaving = cancellable(a, req(1, [11], slot0=1))
-        async with releasing(b) as tg:
-            first, stay = await _group_of_two(a, b, tg, leaving)
-            b.transport.hold_next_writes(1)                    # the group's copy stalls too
-            b.transport.release_held()
-            await b.transport.wait_stalled(2)                  # the group's copy has started
-            scope.cancel()
-            await anyio.sleep(0.01)
-            assert "cancelled" not in outcome                  # waits for its copy
-            b.transport.release_held()
-        assert outcome["cancelled"]
-        assert a.metrics.peer(1).batches_merged == 1           # both went in one copy
-        assert_same_bytes(cs[0][0][1], before[0][1])           # not unpacked
-        check(cs[0], cs, first)
-        check(cs[0], cs, stay)
+    async with _group_of_two() as (a, b, g):
+        b.transport.hold_next_writes(1)                    # the group's copy stalls too
+        b.transport.release_held()
+        await b.transport.wait_stalled(2)                  # the group's copy has started
+        g.scope.cancel()
+        await anyio.sleep(0.01)
+        assert "cancelled" not in g.outcome                # waits for its copy
+        b.transport.release_held()
+    assert g.outcome["cancelled"]
+    assert a.metrics.peer(1).batches_merged == 1           # both went in one copy
+    g.check_only_the_stayer_landed()                       # not unpacked
 
 
 @anyio_test
 async def test_a_refused_merged_request_fails_only_the_load_naming_the_missing_key():
-    cs = caches(2)
-    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(ONE) as (cs, (a, b)):
         b.unpublish(11)
         good = [req(1, [10], slot0=0), req(1, [12], slot0=2)]
         errors: list[BaseException] = []
@@ -791,8 +744,7 @@ async def test_a_refused_merged_request_fails_only_the_load_naming_the_missing_k
             tg.start_soon(a.load, good[0])
             tg.start_soon(bad)
             tg.start_soon(a.load, good[1])
-            await until(lambda: len(a._receiver.scheduler.forming) == 1 and
-                        len(next(iter(a._receiver.scheduler.forming.values())).members) == 3, "one group of three")
+            await until(lambda: list(forming_groups(a).values()) == [3], "one group of three")
             b.transport.release_held()
         assert len(errors) == 1 and "not published" in str(errors[0])
         for r in [first, *good]:
@@ -801,9 +753,7 @@ async def test_a_refused_merged_request_fails_only_the_load_naming_the_missing_k
 
 @anyio_test
 async def test_a_lost_source_fails_every_member_with_its_own_error():
-    cs = caches(2)
-    async with cluster(cs, ONE, wrap={1: faulty()}) as (a, b):
-        publish(b)
+    async with served(ONE) as (cs, (a, b)):
         errors: list[BaseException] = []
 
         async def one(i: int) -> None:
@@ -818,7 +768,7 @@ async def test_a_lost_source_fails_every_member_with_its_own_error():
             await b.transport.wait_stalled(1)
             for i in range(3):
                 tg.start_soon(one, i)
-            await until(lambda: len(a._receiver.scheduler.forming) == 1, "the others wait in a group")
+            await until(lambda: a.recv_slab_stats["groups_forming"] == 1, "the others wait in a group")
             a._peer_lost(1, PeerLostError("rank 1 lost (test)"))
             b.transport.release_held()
         assert len(errors) == 4

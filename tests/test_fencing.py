@@ -24,7 +24,7 @@ from xavier_async import (Endpoint, EndpointConfig, LocalFabric, LocalTransport,
 from xavier_async.protocol import Load
 from xavier_async.testing import FaultPlan, FaultyTransport
 
-from .conftest import assert_same_bytes, random_cache, zero_cache
+from .conftest import assert_same_bytes, fenced_slabs, random_cache, recv_slab, zero_cache
 
 pytestmark = pytest.mark.asyncio  # real NIXL processes in some tests: asyncio (pytest-asyncio)
 
@@ -192,9 +192,9 @@ async def test_replacements_registered_at_once_get_distinct_slabs_and_a_healthy_
         assert outcomes[3] == outcomes[4] == "ok"
         stats = a.recv_slab_stats
         assert stats["fences"] == 2 and stats["registered"] == 4, stats
-        registered = _registered(a)
-        assert sorted(registered) == sorted(a._receiver.slabs.slabs) == [0, 1, 2, 3]
-        assert all(registered[i] is a._receiver.slabs.slabs[i] for i in registered)
+        registered, mine = _registered(a), {slab.index: slab for slab in a.recv_slabs}
+        assert sorted(registered) == sorted(mine) == [0, 1, 2, 3]
+        assert all(registered[i] is mine[i] for i in registered)
         a.check_invariants(idle=True)
         for key in range(16):
             a.caches[0][5].zero_()
@@ -451,9 +451,9 @@ async def _freeze_resume(rounds: int, stall_check: float, seed: int = 0) -> dict
                     counts["timeouts"] += 1
                     for _ in range(5):
                         await load_checked(2)
-                    fenced = list(ep._receiver.slabs.fenced)
+                    fenced = list(fenced_slabs(ep))
                     assert len(fenced) == 1 and ep.recv_slab.index not in fenced
-                    slab = ep._receiver.slabs.slabs[fenced[0]]
+                    slab = recv_slab(ep, fenced[0])
                 finally:
                     os.kill(p1.proc.pid, signal.SIGCONT)
                 # keep loading from rank 2 while rank 1 wakes up and (maybe) writes late

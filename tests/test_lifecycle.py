@@ -11,6 +11,8 @@ from xavier_async import Endpoint, EndpointClosedError, InternalError, LocalTran
 from xavier_async.lifecycle import (CLOSE, CLOSED, START, START_FAILED, STARTED, TRANSITIONS,
                                     Lifecycle, Phase, build_lifecycle, lifecycle_table)
 
+from .conftest import lifecycle_phase
+
 
 def test_the_table_is_the_machine():
     machine = build_lifecycle()
@@ -44,13 +46,13 @@ def test_the_one_guard_says_why(events, message):
 @pytest.mark.anyio
 async def test_an_endpoint_walks_the_lifecycle():
     ep = Endpoint(0, {0: torch.zeros(4, 8)}, LocalTransport())
-    assert ep._rt.life.phase is Phase.NEW and not ep.closed
+    assert lifecycle_phase(ep) is Phase.NEW and not ep.closed
     async with ep:
-        assert ep._rt.life.phase is Phase.OPEN
-    assert ep._rt.life.phase is Phase.CLOSED and ep.closed
+        assert lifecycle_phase(ep) is Phase.OPEN
+    assert lifecycle_phase(ep) is Phase.CLOSED and ep.closed
     await ep.aclose()                        # idempotent
     with pytest.raises(EndpointClosedError, match="entered once"):
         await ep.__aenter__()
     never = Endpoint(1, {0: torch.zeros(4, 8)}, LocalTransport())
     await never.aclose()                     # closed before it was entered
-    assert never._rt.life.phase is Phase.CLOSED
+    assert lifecycle_phase(never) is Phase.CLOSED

@@ -17,7 +17,8 @@ import torch
 
 from xavier_async.errors import HandshakeError, InvalidRequestError
 from xavier_async.slabs import allocate_slabs
-from xavier_async.transports.nixl import NixlTransport, _Mapping, _Pending
+from xavier_async.transports.nixl import NixlTransport
+from xavier_async.transports.nixl_copies import _Mapping, _Pending
 
 from .fake_nixl import FakeAgent, FakeFabric
 

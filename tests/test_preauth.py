@@ -28,6 +28,7 @@ from .conftest import zero_cache
 
 pytest.importorskip("nixl")
 
+from xavier_async.transports.admission import Admission  # noqa: E402
 from xavier_async.transports.handshake import WIRE_VERSION  # noqa: E402
 from xavier_async.transports.nixl import NixlTransport  # noqa: E402
 
@@ -42,6 +43,12 @@ GUARD = 30.0
 def _frame(obj: dict[str, Any]) -> bytes:
     data = json.dumps(obj).encode()
     return struct.pack("!I", len(data)) + data
+
+
+def slots(t: NixlTransport) -> Admission:
+    """The transport's pre-authentication slots (``pending``, ``by_host``): the internals
+    this file tests on purpose."""
+    return t._admission
 
 
 def _endpoint(rank: int, **transport: Any) -> Endpoint:
@@ -101,8 +108,8 @@ async def test_silent_greeters_do_not_lock_out_a_real_peer(origin, record_proper
         t = a.transport
         assert isinstance(t, NixlTransport)
         async with _greeters(a.address, 64, hosts):
-            await _until(lambda: t._admission.pending + t.refused_connections >= 64)
-            assert t._admission.pending == (t.max_unauthenticated_per_host if origin == "one address"
+            await _until(lambda: slots(t).pending + t.refused_connections >= 64)
+            assert slots(t).pending == (t.max_unauthenticated_per_host if origin == "one address"
                                           else t.max_unauthenticated)
             t0 = anyio.current_time()
             with anyio.fail_after(GUARD):
@@ -122,7 +129,7 @@ async def test_a_connection_turned_away_is_told_busy_and_connect_says_why():
         t = a.transport
         assert isinstance(t, NixlTransport)
         async with _greeters(a.address, 1, [None]):
-            await _until(lambda: t._admission.pending == 1)
+            await _until(lambda: slots(t).pending == 1)
             late = await _greeter(a.address)                       # the second is turned away
             got = await _frames_until_closed(late)
             await late.aclose()
@@ -134,7 +141,7 @@ async def test_a_connection_turned_away_is_told_busy_and_connect_says_why():
             assert "busy" in str(info.value) and "IncompleteRead" not in str(info.value)
             assert b.peers == () and t.refused_connections >= 2
         # the greeter gone, the slot is free again: the same connect succeeds
-        await _until(lambda: t._admission.pending == 0)
+        await _until(lambda: slots(t).pending == 0)
         assert await b.connect(a.address) == 0
 
 
@@ -155,7 +162,7 @@ async def test_a_late_step_frees_the_slot_at_once(secret):
         await s.aclose()
         assert got[0]["xa"] == WIRE_VERSION                        # the listener's greeting
         assert "no handshake frame within 0.2 s" in got[-1]["error"], got
-        assert t._admission.pending == 0 and t._admission.by_host == {}
+        assert slots(t).pending == 0 and slots(t).by_host == {}
 
 
 async def test_one_address_holds_at_most_its_share_of_the_slots():
@@ -166,15 +173,15 @@ async def test_one_address_holds_at_most_its_share_of_the_slots():
         t = a.transport
         assert isinstance(t, NixlTransport)
         async with _greeters(a.address, 16, ["127.0.0.2"]) as greeters:
-            await _until(lambda: t._admission.pending + t.refused_connections >= 16)
-            assert t._admission.pending == 4 and t._admission.by_host == {"127.0.0.2": 4}
+            await _until(lambda: slots(t).pending + t.refused_connections >= 16)
+            assert slots(t).pending == 4 and slots(t).by_host == {"127.0.0.2": 4}
             turned_away = 0
             for s in greeters[4:]:
                 got = await _frames_until_closed(s)
                 turned_away += len(got) == 1 and got[0]["kind"] == "busy"
             assert turned_away == 12
             assert await b.connect(a.address) == 0                  # from 127.0.0.1
-            assert t._admission.pending == 4                          # the four still held
+            assert slots(t).pending == 4                          # the four still held
 
 
 def test_preauth_settings_are_validated():

@@ -78,7 +78,8 @@ def raw_handle(ep: Endpoint, peer: int, nbytes: int) -> tuple[Any, Any]:
     if agent is None or slab is None:
         raise InvalidRequestError("the raw floor needs a started NIXL transport")
     p = t._peer(peer)  # type: ignore[attr-defined]
-    return agent, t._handle(p, slab.tensor.data_ptr(), nbytes)  # type: ignore[attr-defined]
+    # a handle of the copy path's own making (transports/nixl_copies.py), never cached there
+    return agent, t._copies.handle(p, slab.tensor.data_ptr(), nbytes)  # type: ignore[attr-defined]
 
 
 __all__ = ["hello_extras", "holding_send_slab", "mapped_views", "prepare_bare_copy",

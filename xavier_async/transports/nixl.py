@@ -1,14 +1,15 @@
 """NIXL transport: one NIXL agent per endpoint, each slab registered once.
 
-* Memory: the send and receive slabs (the endpoint's pools) are registered once at start
-  (DRAM, or VRAM on the caches' GPU). Views and peers never register memory again; a view
-  *mapping* is a pre-built NIXL transfer handle (a view of one send slab -> the peer's
-  receive view of one receive slab, equal lengths) that is re-posted for every copy. A
-  handle cannot be re-posted while in flight; the engine never has two copies in flight
-  through one (each holds its send and its receive slab until terminal).
+* Memory (:mod:`.nixl_memory`): the slabs and snapshot tiers are registered once; a peer
+  learns of a receive slab added later through a transport notification.
+* Copies (:mod:`.nixl_copies`): a view *mapping* is a pre-built NIXL transfer handle (a
+  view of one send slab -> the peer's receive view of one receive slab, equal lengths)
+  re-posted for every copy. A handle cannot be re-posted while in flight; the engine
+  never has two copies in flight through one (each holds its send and its receive slab
+  until terminal).
 * Discovery: each endpoint listens on ``host:port`` (TCP). :meth:`connect` exchanges a
   small handshake there (protocol version, rank, layout, slab sizes, NIXL agent metadata,
-  receive-slab address) and both ends add each other's agent. The TCP stream then stays
+  receive-slab addresses) and both ends add each other's agent. The TCP stream then stays
   open as a liveness signal: when a peer process dies its stream closes and everything
   waiting on it fails at once with :class:`PeerLostError`. The TCP side lives next to
   this module: ``peering`` (listen, dial, accept, the connect race), ``handshake`` (the
@@ -26,25 +27,27 @@ per process per GPU.
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import os
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from .._checks import check_int, check_number
 from ..errors import (EndpointClosedError, HandshakeError, InternalError, InvalidRequestError,
-                      PeerLostError, TransferError, UnknownPeerError)
+                      PeerLostError, UnknownPeerError)
 from .addresses import check_host, parse_address
 from .admission import INSECURE_ENV, SECRET_ENV, Admission, resolve_secret
 from .base import TaskSpawner, Transport
 from .handshake import FrameStream
 from .liveness import Liveness
 from .nixl_agent import AgentFactory, NixlAgent, nixl_agent_factory, nixl_version
+from .nixl_copies import Copies, Regions, _Mapping
+from .nixl_memory import XT, Memory
 from .peering import Peering
 
 if TYPE_CHECKING:
@@ -58,9 +61,6 @@ __all__ = ["INSECURE_ENV", "SECRET_ENV", "AgentFactory", "NixlAgent", "NixlTrans
            "nixl_agent_factory", "parse_address"]
 
 log = logging.getLogger("xavier_async.nixl")
-
-#: prefix of the transport's own notifications (new receive slabs and their acks)
-_XT = b"XT:"
 
 
 class _Peer:
@@ -82,31 +82,11 @@ class _Peer:
         self.told = told
         #: (its receive slab, regions of our pools) -> transfer handle, least recently
         #: used first (writes straight from a snapshot tier)
-        self.direct: OrderedDict[tuple[int, tuple[tuple[int, int, int], ...]], Any] = OrderedDict()
+        self.direct: OrderedDict[tuple[int, Regions], Any] = OrderedDict()
 
     @property
     def recv_ptr(self) -> int:
         return self.recv_ptrs[0]
-
-
-class _Mapping:
-    """Transfer handles for one (peer, send slab, view, peer's receive slab): the
-    view-length handle plus a bounded cache of exact-length handles for trimmed copies."""
-
-    __slots__ = ("view_bytes", "local_ptr", "by_len", "slab")
-
-    def __init__(self, view_bytes: int, local_ptr: int, handle: Any, slab: int = 0) -> None:
-        self.view_bytes = view_bytes
-        self.local_ptr = local_ptr
-        self.slab = slab
-        self.by_len: OrderedDict[int, Any] = OrderedDict({view_bytes: handle})
-
-
-class _Pending:
-    __slots__ = ("peer", "handle", "nbytes", "deadline")
-
-    def __init__(self, peer: _Peer, handle: Any, nbytes: int, deadline: float) -> None:
-        self.peer, self.handle, self.nbytes, self.deadline = peer, handle, nbytes, deadline
 
 
 class NixlTransport(Transport):
@@ -141,11 +121,12 @@ class NixlTransport(Transport):
     Every setting is validated here (:class:`InvalidRequestError` naming it): numbers are
     finite, timeouts > 0, hosts non-empty strings.
 
-    The transport is three parts around its NIXL agent: :class:`.peering.Peering`
-    (listening, dialling, the connect race), :class:`.admission.Admission` (the
-    pre-authentication slots) and :class:`.liveness.Liveness` (watching each peer's
-    stream); this class keeps the agent, the registrations, the peers' NIXL state, the
-    transfer handles, post/wait and the poller.
+    The transport is parts around its NIXL agent: :class:`.peering.Peering` (listening,
+    dialling, the connect race), :class:`.admission.Admission` (the pre-authentication
+    slots), :class:`.liveness.Liveness` (watching each peer's stream),
+    :class:`.nixl_memory.Memory` (registrations, telling peers about new receive slabs)
+    and :class:`.nixl_copies.Copies` (transfer handles, post/wait); this class keeps the
+    agent, the peer table, the notification poller, and wires the parts.
     """
 
     name = "nixl"
@@ -175,11 +156,11 @@ class NixlTransport(Transport):
                               max_per_host=max_unauthenticated_per_host)
         # timeouts must be > 0 (0 would fail every handshake or copy); the others may be 0
         handshake_timeout = check_number("handshake_timeout", handshake_timeout, strictly_positive=True)
-        self.write_timeout = check_number("write_timeout", write_timeout, strictly_positive=True)
+        write_timeout = check_number("write_timeout", write_timeout, strictly_positive=True)
         self.idle_poll = check_number("idle_poll", idle_poll)
         self.hot_window = check_number("hot_window", hot_window)
-        self.spin = check_number("spin", spin)
-        self.trim_handles = check_int("trim_handles", trim_handles, minimum=1)
+        spin = check_number("spin", spin)
+        trim_handles = check_int("trim_handles", trim_handles, minimum=1)
         #: connected peers by rank, and by agent name
         self._peers: dict[int, _Peer] = {}
         self._by_agent: dict[str, int] = {}
@@ -198,34 +179,38 @@ class NixlTransport(Transport):
         self.agent_name = ""
         self._host: TransportHost | None = None
         self._tg: TaskSpawner | None = None
-        self._send_slab: Slab | None = None
-        #: our send slabs by index (the first is _send_slab)
-        self._send_slabs: dict[int, Slab] = {}
         self._recv_slab: Slab | None = None
         self._mem = "DRAM"
         self._dev = 0
-        self._reg: list[Any] = []
-        #: registered pools (snapshot tiers): (first address, end, memory type, device)
-        self._pools: list[tuple[int, int, str, int]] = []
-        #: receive slabs by index and their registrations
-        self._recv_slabs: dict[int, Slab] = {}
-        self._recv_regs: dict[int, Any] = {}
-        #: receive slab indices whose registration is under way
-        self._registering: set[int] = set()
-        #: (peer agent, slab index) -> set when the peer acknowledged our new slab
-        self._acks: dict[tuple[str, int], anyio.Event] = {}
+        #: what the agent has registered, and telling peers about new receive slabs
+        self._memory = Memory(self._peers, self._by_agent, self._backends, self._counted)
+        #: the copy path: handle caches, post/wait, handles that outlive their copies
+        self._copies = Copies(self._memory.pools, write_timeout=write_timeout, spin=spin,
+                              trim_handles=trim_handles)
+        # the parts' tables under their former names (the same objects; tests read them)
+        self._reg, self._recv_slabs = self._memory.regs, self._memory.recv_slabs
+        self._in_flight, self._stuck = self._copies.in_flight, self._copies.stuck
+        self._release_later = self._copies.release_later
         #: agents of peers we dropped, for late notifications (bounded)
         self._former: OrderedDict[str, int] = OrderedDict()
-        #: copies given up on (timed out while still posted): handle id -> (rank, handle)
-        self._stuck: dict[int, tuple[int, Any]] = {}
-        self._last_activity = 0.0
         self._closed = False
-        #: ids of transfer handles with a copy posted and not yet terminal, and handles
-        #: whose release waits for that
-        self._in_flight: dict[int, int] = {}
-        self._release_later: dict[int, Any] = {}
 
     # -- settings and counters of the parts ----------------------------------------------
+    @property
+    def write_timeout(self) -> float:
+        """Seconds a posted copy may take before it is given up on (stuck)."""
+        return self._copies.write_timeout
+
+    @property
+    def spin(self) -> float:
+        """Seconds :meth:`post` busy-polls a copy before handing it to the event loop."""
+        return self._copies.spin
+
+    @property
+    def trim_handles(self) -> int:
+        """Exact-length handles kept per view (and direct-write handles per peer)."""
+        return self._copies.trim_handles
+
     @property
     def handshake_timeout(self) -> float:
         """Seconds for a whole handshake (the default timeout of :meth:`connect`)."""
@@ -276,8 +261,7 @@ class NixlTransport(Transport):
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self, host: TransportHost, send: Slab, recv: Slab, tg: TaskSpawner) -> None:
         self._host, self._tg = host, tg
-        self._send_slab, self._recv_slab = send, recv
-        self._send_slabs = {send.index: send}
+        self._recv_slab = recv
         dev = send.device
         if dev.type == "cuda":
             self._mem, self._dev = "VRAM", dev.index if dev.index is not None else 0
@@ -287,123 +271,38 @@ class NixlTransport(Transport):
             raise InvalidRequestError(f"NIXL transport supports cpu and cuda caches, not {dev}")
         self.agent_name = f"xa-{host.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = self._agent_factory(self.agent_name, list(self._backends))
-        for slab in (send, recv):
-            self._reg.append(self._agent.register_memory(self._reg_descs(slab)))
-            self.memory_registrations += 1
-        self._recv_slabs[recv.index] = recv
-        self._recv_regs[recv.index] = self._reg[-1]
+        self._copies.bind(self.agent, self._mem, self._dev)
+        self._memory.start(self.agent, self._mem, self._dev, send, recv)
         await self._peering.start(host, self._tasks, self.agent_name)
         self._tasks.start_soon(self._poll_loop)
 
     def _peer_lost(self, rank: int, exc: PeerLostError) -> None:
         self._started_host.peer_lost(rank, exc)
 
-    def _reg_descs(self, slab: Slab) -> Any:
-        return self._agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self._dev, "")],
-                                         self._mem)
-
-    async def _register(self, slab: Slab) -> Any:
-        """Register one more slab of the endpoint's (its device's) memory."""
-        await anyio.lowlevel.checkpoint()
-        if self._send_slab is None or slab.device != self._send_slab.device:
-            raise InvalidRequestError(
-                f"{'receive' if slab.direction == 'recv' else 'send'} slab on {slab.device}, "
-                "not on the endpoint's device")
-        reg = self._agent.register_memory(self._reg_descs(slab))
-        self._reg.append(reg)
+    def _counted(self) -> None:
         self.memory_registrations += 1
-        return reg
 
+    # -- memory (nixl_memory.Memory) -----------------------------------------------------
     async def add_send_slab(self, slab: Slab) -> None:
-        await self._register(slab)
-        self._send_slabs[slab.index] = slab
+        await self._memory.add_send_slab(slab)
+
+    async def add_recv_slab(self, slab: Slab) -> None:
+        await self._memory.add_recv_slab(slab)
 
     async def add_pool(self, memory: torch.Tensor) -> None:
         """Register a snapshot tier: VRAM on the caches' GPU, or DRAM (pinned on CUDA)."""
-        await anyio.lowlevel.checkpoint()
-        cuda = memory.device.type == "cuda"
-        if cuda and (self._send_slab is None or memory.device != self._send_slab.device):
-            raise InvalidRequestError(f"a snapshot tier on {memory.device}, not on the endpoint's device")
-        agent = self._agent
-        nbytes = memory.numel() * memory.element_size()
-        mem, dev = ("VRAM", memory.device.index or 0) if cuda else ("DRAM", 0)
-        reg = agent.register_memory(agent.get_reg_descs([(memory.data_ptr(), nbytes, dev, "")], mem))
-        self._reg.append(reg)
-        self._pools.append((memory.data_ptr(), memory.data_ptr() + nbytes, mem, dev))
-        self.memory_registrations += 1
-
-    async def add_recv_slab(self, slab: Slab) -> None:
-        if slab.index in self._recv_slabs or slab.index in self._registering:
-            raise InvalidRequestError(f"receive slab {slab.index} is already registered")
-        self._registering.add(slab.index)  # claimed before the registration awaits
-        try:
-            self._recv_regs[slab.index] = await self._register(slab)
-            self._recv_slabs[slab.index] = slab
-        finally:
-            self._registering.discard(slab.index)
+        await self._memory.add_pool(memory)
 
     async def share_recv_slab(self, peer: int, slab: Slab) -> None:
-        """Send the slab's registration (NIXL partial agent metadata) and address to the
-        peer as a notification and wait for its acknowledgement."""
-        p = self._peer(peer)
-        if slab.index in p.told:
-            return
-        if slab.index not in self._recv_regs:
-            raise InvalidRequestError(f"receive slab {slab.index} is not registered")
-        meta = self._agent.get_partial_agent_metadata(self._reg_descs(slab), False, self._backends)  # type: ignore[attr-defined]
-        key = (p.agent, slab.index)
-        ack = self._acks[key] = anyio.Event()
-        msg = _XT + json.dumps({"slab": slab.index, "ptr": slab.tensor.data_ptr(),
-                                "meta": base64.b64encode(meta).decode()}).encode()
-        try:
-            try:
-                self._agent.send_notif(p.agent, msg)
-            except Exception as exc:
-                raise PeerLostError(f"cannot tell rank {peer} about receive slab {slab.index}: {exc}") from exc
-            with anyio.move_on_after(self.handshake_timeout) as scope:
-                await ack.wait()
-            if scope.cancelled_caught or p.lost:
-                raise PeerLostError(f"rank {peer} did not acknowledge receive slab {slab.index} "
-                                    f"within {self.handshake_timeout} s")
-        finally:
-            self._acks.pop(key, None)
-        p.told.add(slab.index)
-
-    def _on_transport_msg(self, agent: str, msg: bytes) -> None:
-        """A transport-level notification: a peer's new receive slab, or our ack."""
-        try:
-            body = json.loads(msg[len(_XT):])
-            if "ack" in body:
-                ev = self._acks.get((agent, int(body["ack"])))
-                if ev is not None:
-                    ev.set()
-                return
-            rank = self._by_agent.get(agent)
-            p = self._peers.get(rank) if rank is not None else None
-            if p is None or p.lost:
-                return
-            index, ptr = int(body["slab"]), int(body["ptr"])
-            self._agent.add_remote_agent(base64.b64decode(body["meta"], validate=True))
-            p.recv_ptrs[index] = ptr
-            self._agent.send_notif(agent, _XT + json.dumps({"ack": index}).encode())
-        except Exception:
-            log.warning("bad transport message from agent %s", agent, exc_info=True)
+        """Tell ``peer`` about our receive slab ``slab`` and wait for its acknowledgement
+        (within ``handshake_timeout``)."""
+        await self._memory.share(self._peer(peer), slab, self.handshake_timeout)
 
     def peer_recv_slabs(self, peer: int) -> tuple[int, ...]:
         return tuple(sorted(self._peer(peer).recv_ptrs))
 
     def unsettled(self) -> set[int]:
-        return set(self._in_flight.values()) | {rank for rank, _ in self._stuck.values()}
-
-    def _check_stuck(self) -> None:
-        for key, (rank, h) in list(self._stuck.items()):
-            try:
-                state = self._agent.check_xfer_state(h)
-            except Exception:
-                state = "ERR"
-            if state != "PROC":
-                del self._stuck[key]
-                self._release_handle(h)
+        return self._copies.unsettled()
 
     @property
     def address(self) -> str:
@@ -434,16 +333,8 @@ class NixlTransport(Transport):
             for rank in list(self._peers):
                 await self.disconnect(rank)
             if self.agent is not None:
-                stuck = list(self._stuck.values())
-                self._stuck.clear()
-                for _, h in stuck:
-                    self._release_handle(h)
-                for reg in self._reg:
-                    try:
-                        self._agent.deregister_memory(reg)
-                    except Exception:
-                        log.warning("deregister_memory failed", exc_info=True)
-                self._reg.clear()
+                self._copies.close()
+                self._memory.deregister_all()
 
     @property
     def _started_host(self) -> TransportHost:
@@ -510,32 +401,12 @@ class NixlTransport(Transport):
             raise PeerLostError(f"rank {rank} is gone")
         return p
 
-    def _release_handle(self, h: Any) -> None:
-        if id(h) in self._in_flight:  # still posted: released when its copy is terminal
-            self._release_later[id(h)] = h
-            return
-        if id(h) in self._stuck:  # timed out but maybe still posted: _check_stuck releases it
-            return
-        try:
-            self._agent.release_xfer_handle(h)
-        except Exception:
-            log.debug("release_xfer_handle failed", exc_info=True)
-
-    def _release(self, peer: _Peer) -> None:
-        for m in peer.handles.values():
-            for h in m.by_len.values():
-                self._release_handle(h)
-        peer.handles.clear()
-        for h in peer.direct.values():
-            self._release_handle(h)
-        peer.direct.clear()
-
     def _drop(self, rank: int) -> None:
         peer = self._peers.pop(rank, None)
         if peer is None:
             return
         peer.lost = True
-        self._release(peer)
+        self._copies.release_peer(peer)
         self._by_agent.pop(peer.agent, None)
         self._former[peer.agent] = rank  # its late notifications still mean something
         while len(self._former) > 256:
@@ -549,7 +420,7 @@ class NixlTransport(Transport):
     async def forget(self, peer: int) -> None:
         p = self._peers.get(peer)
         if p is not None:
-            self._release(p)
+            self._copies.release_peer(p)
 
     async def disconnect(self, peer: int) -> None:
         p = self._peers.get(peer)
@@ -559,140 +430,40 @@ class NixlTransport(Transport):
         with anyio.CancelScope(shield=True):
             await p.fs.aclose()
 
-    # -- data path ----------------------------------------------------------------------
-    def _handle(self, peer: _Peer, local_ptr: int, nbytes: int, slab: int = 0) -> Any:
-        return self._agent.initialize_xfer(
-            "WRITE",
-            self._agent.get_xfer_descs([(local_ptr, nbytes, self._dev)], self._mem),
-            self._agent.get_xfer_descs([(peer.recv_ptrs[slab], nbytes, peer.recv_dev)], peer.mem),
-            peer.agent)
-
+    # -- data path (the copies: nixl_copies.Copies) -------------------------------------
     async def map_view(self, peer: int, view: SlabView, slab: int = 0) -> object:
         p = self._peer(peer)
         send = view.slab.index
-        if self._send_slabs.get(send) is not view.slab:
+        if self._memory.send_slabs.get(send) is not view.slab:
             raise InvalidRequestError(f"{view} is not a view of this endpoint's send slabs")
         if slab not in p.recv_ptrs:
             raise InvalidRequestError(f"rank {peer} has not shared a receive slab {slab}")
         await anyio.lowlevel.checkpoint()
-        key = (send, view.nbytes, slab)
-        old = p.handles.get(key)
-        if old is not None:
-            return old
-        m = _Mapping(view.nbytes, view.data_ptr, self._handle(p, view.data_ptr, view.nbytes, slab), slab)
-        p.handles[key] = m
-        return m
+        return self._copies.mapping(p, send, view.data_ptr, view.nbytes, slab)
 
     def post(self, peer: int, mapping: object, nbytes: int, notify: bytes | None) -> object | None:
-        p = self._peer(peer)
-        if not isinstance(mapping, _Mapping):
-            raise InvalidRequestError(f"not a mapping of this transport: {mapping!r}")
-        m = mapping
-        h = m.by_len.get(nbytes)
-        if h is None:  # trimmed copy of a new length: exact-length handle, kept in a small LRU
-            h = self._handle(p, m.local_ptr, nbytes, m.slab)
-            m.by_len[nbytes] = h
-            if len(m.by_len) > self.trim_handles + 1:
-                for old_len in list(m.by_len):
-                    if old_len != m.view_bytes and old_len != nbytes:
-                        self._release_handle(m.by_len.pop(old_len))
-                        break
-        elif nbytes != m.view_bytes:
-            m.by_len.move_to_end(nbytes)
-        return self._start(p, h, nbytes, notify)
+        return self._copies.post(self._peer(peer), mapping, nbytes, notify)
 
-    def post_regions(self, peer: int, regions: tuple[tuple[int, int, int], ...], slab: int,
+    def post_regions(self, peer: int, regions: Regions, slab: int,
                      notify: bytes | None) -> object | None:
         """One WRITE of ``regions`` straight from a registered pool (a snapshot tier) into
         the peer's receive slab ``slab``. Its transfer handle is kept in a per-peer LRU
         (``trim_handles`` of them), so a block served again re-posts its handle."""
-        p = self._peer(peer)
-        if slab not in p.recv_ptrs:
-            raise InvalidRequestError(f"rank {peer} has not shared a receive slab {slab}")
-        key = (slab, regions)
-        h = p.direct.get(key)
-        if h is None:
-            mem, dev = self._pool_of(regions)
-            base = p.recv_ptrs[slab]
-            agent = self._agent
-            h = agent.initialize_xfer(
-                "WRITE", agent.get_xfer_descs([(a, n, dev) for a, _, n in regions], mem),
-                agent.get_xfer_descs([(base + off, n, p.recv_dev) for _, off, n in regions], p.mem),
-                p.agent)
-            p.direct[key] = h
-            if len(p.direct) > self.trim_handles:
-                self._release_handle(p.direct.popitem(last=False)[1])
-        else:
-            p.direct.move_to_end(key)
-        return self._start(p, h, sum(n for _, _, n in regions), notify)
+        return self._copies.post_regions(self._peer(peer), regions, slab, notify)
 
-    def _pool_of(self, regions: tuple[tuple[int, int, int], ...]) -> tuple[str, int]:
-        """(memory type, device) of the one registered pool every region lies in."""
-        for lo, hi, mem, dev in self._pools:
-            if all(lo <= a and a + n <= hi for a, _, n in regions):
-                return mem, dev
-        raise InvalidRequestError("a region to write is not inside one registered pool")
-
-    def _start(self, p: _Peer, h: Any, nbytes: int, notify: bytes | None) -> object | None:
-        agent = self._agent
-        now = time.monotonic()
-        self._last_activity = now
-        state = agent.transfer(h, notify or b"")
-        # spin briefly: a small copy completes in ~10-20 us, far less than a trip
-        # through the event loop. Spinning also drives UCX's progress: a copy that does
-        # not finish inside this call sends its notification only from a later
-        # check_xfer_state, which a busy event loop makes late. (Skipping the spin for
-        # copies posted under load and for large copies was measured on the H200 pair,
-        # same loan: 20% fewer small loads/s with two endpoints loading from each other.)
-        until = time.perf_counter() + self.spin
-        while state == "PROC" and time.perf_counter() < until:
-            state = agent.check_xfer_state(h)
-        if state == "DONE":
-            return None
-        if state != "PROC":
-            raise TransferError(f"NIXL reported {state} for a copy of {nbytes} B to rank {p.rank}")
-        self._in_flight[id(h)] = p.rank
-        return _Pending(p, h, nbytes, now + self.write_timeout)
-
-    async def wait(self, pending: object) -> None:
+    def wait(self, pending: object) -> Coroutine[Any, Any, None]:
         """Poll a posted copy to a terminal state. A copy is never abandoned while NIXL
         may still be reading the send slab: if the peer is lost meanwhile, polling goes on
         (UCX fails the copy once the connection is gone) until ``write_timeout``. A copy
         that reached DONE landed, even if its peer was lost meanwhile (it counts as sent);
         one still posted at ``write_timeout`` stays *unsettled* (:meth:`unsettled`) until
-        NIXL reports a terminal state for it."""
-        if not isinstance(pending, _Pending):
-            raise InvalidRequestError(f"not a pending copy of this transport: {pending!r}")
-        w = pending
-        agent, checkpoint = self._agent, anyio.lowlevel.checkpoint
-        key = id(w.handle)
-        stuck = False
-        try:
-            while True:
-                await checkpoint()
-                state = agent.check_xfer_state(w.handle)
-                if state == "DONE":  # the bytes landed, whether or not the peer is still here
-                    return
-                if state != "PROC":
-                    if w.peer.lost:
-                        raise PeerLostError(f"rank {w.peer.rank} went away during a copy")
-                    raise TransferError(
-                        f"NIXL reported {state} for a copy of {w.nbytes} B to rank {w.peer.rank}")
-                if time.monotonic() > w.deadline:
-                    stuck = True
-                    raise TransferError(
-                        f"copy to rank {w.peer.rank} did not finish in {self.write_timeout} s")
-        finally:
-            self._in_flight.pop(key, None)
-            late = self._release_later.pop(key, None)
-            if stuck:  # may still land: watched by the poll loop, released when terminal
-                self._stuck[key] = (w.peer.rank, late if late is not None else w.handle)
-            elif late is not None:
-                self._release_handle(late)
+        NIXL reports a terminal state for it. (Returns the copy path's coroutine itself:
+        no frame of ours in between.)"""
+        return self._copies.wait(pending)
 
     async def send(self, peer: int, msg: bytes) -> None:
         p = self._peer(peer)
-        self._last_activity = time.monotonic()
+        self._copies.last_activity = time.monotonic()
         try:
             self._agent.send_notif(p.agent, msg)
         except Exception as exc:
@@ -709,25 +480,25 @@ class NixlTransport(Transport):
         # Pinned to one CPU, a yield hands that CPU to CUDA's and UCX's own threads and
         # costs a timeslice (~200 us measured): poll through the event loop only.
         share = sched_yield is not None and _cpus() > 1
-        liveness = self._liveness
+        liveness, copies = self._liveness, self._copies
         last_pass = monotonic()
         while True:
             now = monotonic()
             if liveness.stall_check and now - last_pass > liveness.stall_check:
                 liveness.sweep()  # we were stalled: drop peers that hung up before serving them
             last_pass = now
-            if self._stuck:
-                self._check_stuck()
+            if copies.stuck:
+                copies.check_stuck()
             notifs = agent.get_new_notifs()
             if notifs:
-                self._last_activity = monotonic()
+                copies.last_activity = monotonic()
                 for raw_name, msgs in notifs.items():
                     name = raw_name if isinstance(raw_name, str) else raw_name.decode()
                     rank = by_agent.get(name)
                     for msg in msgs:
                         try:
-                            if msg[:3] == _XT:
-                                self._on_transport_msg(name, msg)
+                            if msg[:3] == XT:
+                                self._memory.on_message(name, msg)
                             elif rank is not None:
                                 deliver(rank, msg, True)  # a load request may be served right here
                             elif name in self._former:  # a late reply from a dropped peer
@@ -735,7 +506,7 @@ class NixlTransport(Transport):
                         except Exception:  # never let one message stop the poller
                             log.exception("delivering a message from agent %s failed", name)
                 await checkpoint()
-            elif monotonic() - self._last_activity < self.hot_window:
+            elif monotonic() - copies.last_activity < self.hot_window:
                 # nothing yet: give the core to any other runnable process (often our peer,
                 # on a small machine) before polling again
                 if share and sched_yield is not None:
