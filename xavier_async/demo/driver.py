@@ -675,15 +675,17 @@ def store_lines(res: dict[str, Any]) -> list[str]:
                 f"({st['source_slots']} slots each for {st['prefix_blocks']} shared prefix blocks)"]
     m = a["store"] or {}
     ds, hs = m.get("device_slots", 0), m.get("host_slots", 0)
+    evicted = (f"{a['evicted']} evicted and unregistered from the directory" if a["evicted"] == a["unregistered"]
+               else f"{a['evicted']} evicted, {a['unregistered']} unregistered from the directory")
     return [
-        f"snapshot store per source: device tier {ds} blocks ({_mib(ds * bb)}), host tier {hs} blocks "
-        f"({_mib(hs * bb)}); after the cold prompts A's held {m.get('device_used', 0)} + "
-        f"{m.get('host_used', 0)} ({a['demoted']} demoted, {a['evicted']} evicted and {a['unregistered']} "
-        f"unregistered from the directory, {a['skipped']} skipped, {a['failed']} failed); {a['publish_calls']} "
-        f"publish_blocks calls, {a['publish_s'] * 1e3:,.1f} ms in all",
-        f"sources' paged cache: {st['source_slots']} slots each for {st['prefix_blocks']} shared prefix "
-        f"blocks; A's engine reused the slots of {a['cache_evicted']} published blocks "
-        f"(held {a.get('cache_held', 0)} at the end), served from the store"]
+        (f"snapshot store per source: device tier {ds} blocks ({_mib(ds * bb)}), host tier {hs} blocks "
+         f"({_mib(hs * bb)}); after the cold prompts A's store held {m.get('device_used', 0)} blocks on "
+         f"the device tier and {m.get('host_used', 0)} on the host tier ({a['demoted']} demoted, {evicted}, "
+         f"{a['skipped']} skipped, {a['failed']} failed), published by {a['publish_calls']} publish_blocks "
+         f"calls ({a['publish_s'] * 1e3:,.1f} ms in all)"),
+        (f"sources' paged cache: {st['source_slots']} slots each for {st['prefix_blocks']} shared prefix "
+         f"blocks: A's engine reused the slots of {a['cache_evicted']} published blocks (it held "
+         f"{a.get('cache_held', 0)} at the end); the store serves them")]
 
 
 def table(res: dict[str, Any]) -> str:
