@@ -590,7 +590,10 @@ def tier_figures(loads: Sequence[dict[str, int]], layers: int) -> dict[str, Any]
         else:
             live += x["batches"]
     n_dev = round(dev_batches)
-    return {"device_blocks": dev / layers, "host_blocks": host / layers,
+
+    def blocks(n: int) -> int | float:
+        return n // layers if n % layers == 0 else n / layers
+    return {"device_blocks": blocks(dev), "host_blocks": blocks(host),
             "device_batches": n_dev, "host_batches": round(dev_batches + host_batches) - n_dev,
             "device_batches_exact": dev_batches, "host_batches_exact": host_batches,
             "live_batches": live, "batches": sum(x["batches"] for x in loads), "loads": len(loads)}
