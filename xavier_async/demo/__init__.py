@@ -5,7 +5,9 @@ Three replica processes run transformers' Qwen2 causal LM built from a config wi
 same random weights, each under an engine loop (:mod:`.engine`: continuous batching with
 a token budget per step) and a paged-attention driver (:mod:`.model`) whose cache slots
 are an :class:`~xavier_async.Endpoint`'s caches. Sources A and C prefill cold prompts and
-publish their blocks (C with ``EndpointConfig(trimmed=True)``); replica B serves the warm
+publish their blocks into the snapshot store after each step (``publish_blocks``; C with
+``EndpointConfig(trimmed=True)``), then reuse the slots: their paged caches are smaller
+than the shared prefix set, and the store's device and host tiers serve; replica B serves the warm
 requests that share those prefixes three times (recomputing, loading from A, loading from
 C), checks every answer against recomputing, and the driver prints the TTFT table and a
 break-even sweep of prefix length. The engine never imports this package; it needs the

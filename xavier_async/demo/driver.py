@@ -8,9 +8,16 @@ the default endpoint (copies through the chosen slab view) and C with
 under test. B serves the same warm requests three times: recomputing every prefix (the
 reference), loading the prefixes from A, loading them from C.
 
+The sources run with the snapshot store, as the seed's deployment did: their engines
+publish blocks with ``publish_blocks`` and reuse the slots, so a source's paged cache
+(``--source-slots``) is smaller than the shared prefix set, and the store's two tiers
+(``--device-tier-mib``, ``--host-tier-mib``) keep serving the blocks the cache evicted.
+
 The directory stands for what a real stack already has: a router's prefix index or a
 block tracker that replicas report published blocks to (vLLM's KV events, Dynamo's KV
-router, the seed's block tracker). The demo keeps it as a plain dict in this process.
+router, the seed's block tracker). The demo keeps it as a plain dict in this process,
+fed by each ``publish_blocks`` result in order: keys that became available are
+registered, keys the store evicted to make room are unregistered.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .._checks import cli_int
+from ..sizes import MiB
 from .model import (
     BLOCK,
     QWEN25_05B,
@@ -77,9 +85,13 @@ class ReplicaProcess:
         self.proc.start()
         theirs.close()
         self.address: str | None = None
+        self.store = False
 
     def wait_ready(self, timeout: float) -> None:
-        self.address = self.reply(timeout)
+        ready = self.reply(timeout)
+        self.address = ready["address"]
+        #: whether its endpoint copies published blocks into a snapshot store
+        self.store = bool(ready["store"])
 
     def reply(self, timeout: float, on_event: Callable[[str], None] | None = None) -> Any:
         deadline = time.monotonic() + timeout
@@ -217,6 +229,80 @@ def placement(args: argparse.Namespace) -> tuple[dict[int, str], str]:
 
 
 # -- the run ----------------------------------------------------------------------------
+@dataclass
+class Sizing:
+    """The sources' paged cache and snapshot tiers for one run (see :func:`sizing`)."""
+
+    #: distinct blocks the sources publish (every cold prompt's full blocks, the sweep's)
+    prefix_blocks: int
+    #: the most slots one cold request holds at once
+    largest_request: int
+    #: slots of each source's paged cache
+    source_slots: int
+    #: the tiers' budgets (host None: the library's default)
+    device_tier_bytes: int
+    host_tier_bytes: int | None
+
+    @property
+    def store(self) -> bool:
+        return bool(self.device_tier_bytes or self.host_tier_bytes is None or self.host_tier_bytes)
+
+
+def sizing(args: argparse.Namespace, shape: ModelShape, work: Workload, sizes: Sequence[int]) -> Sizing:
+    """Size the sources' cache and tiers. Defaults: a cache of half the shared prefix set
+    (at least the largest request), so that the sources evict their own slots; on the CPU a
+    device tier of half the cold prompts' blocks, so that it fills and demotes blocks to a
+    host tier with room for the whole set (both tiers serve, nothing is evicted from the
+    store); on CUDA the seed's 256 MiB device tier and the library's host tier."""
+    new = args.new_tokens
+    need = [blocks_for(len(t), new) for t in work.cold] + ([blocks_for(len(work.sweep), new)] if sizes else [])
+    prefix = args.cold * args.prefix_blocks + (max(sizes) if sizes else 0)
+    bb = shape.block_nbytes
+    if args.device == "cpu":
+        device = max(args.cold * args.prefix_blocks // 2, 1) * bb
+        host: int | None = prefix * bb
+    else:
+        device, host = 256 * MiB, None
+    if args.device_tier_mib is not None:
+        device = round(args.device_tier_mib * MiB)
+    if args.host_tier_mib is not None:
+        host = round(args.host_tier_mib * MiB)
+    out = Sizing(prefix, max(need), 0, device, host)
+    least = max(out.largest_request, 3)  # 3: the warm-up request
+    if not out.store:  # the sources keep every slot they publish: room for all of them
+        least = max(sum(need), 3)
+        if args.source_slots is not None and args.source_slots < least:
+            raise DemoError(f"--source-slots ({args.source_slots}) must hold every cold prompt "
+                            f"({least} slots) without the snapshot store (both tiers 0)")
+        out.source_slots = args.source_slots or least + 4
+        return out
+    if args.source_slots is not None and args.source_slots < least:
+        raise DemoError(f"--source-slots ({args.source_slots}) must hold the largest cold "
+                        f"request ({least} slots)")
+    out.source_slots = args.source_slots or max(least, prefix // 2)
+    return out
+
+
+def apply_publish_log(directory: dict[str, tuple[int, int]], rank: int,
+                      log: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Follow a source's ``publish_blocks`` results in order: keys the store evicted are
+    unregistered, keys it made available are registered (at the slot they were published
+    from; the source may have reused it since: the store serves the block). Returns the
+    counts."""
+    counts = {"available": 0, "evicted": 0, "skipped": 0, "failed": 0, "demoted": 0, "unregistered": 0}
+    for entry in log:
+        for h in entry["evicted"]:
+            counts["unregistered"] += directory.pop(h, None) is not None
+        for h, slot in entry["available"]:
+            directory[h] = (rank, int(slot))
+        counts["available"] += len(entry["available"])
+        counts["evicted"] += len(entry["evicted"])
+        counts["skipped"] += len(entry["skipped"])
+        counts["failed"] += len(entry["failed"])
+        counts["demoted"] += int(entry["demoted"])
+    return counts
+
+
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole demo; return every figure and check as a JSON-able dict."""
     fill_defaults(args)
@@ -224,18 +310,21 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     sizes = sweep_sizes(args)
     work = make_workload(args, shape.vocab)
     salt = f"qwen2-random-seed{args.seed}-{shape}".encode()
+    size = sizing(args, shape, work, sizes)
     devices, where = placement(args)
     new = args.new_tokens
     per_warm = blocks_for(args.prefix_blocks * BLOCK + args.suffix_tokens, new)
     per_long = max((blocks_for(len(t), new) for t in work.long), default=0)
-    source_slots = sum(blocks_for(len(t), new) for t in work.cold) + \
-        (blocks_for(len(work.sweep), new) if sizes else 0) + 4
     b_slots = max(args.concurrency * max(per_warm, per_long),
                   blocks_for(max(sizes, default=0) * BLOCK + SWEEP_SUFFIX, 1)) + 4
     common = dict(shape=asdict(shape), seed=args.seed, threads=args.threads, step_tokens=args.step_tokens)
-    specs = [dict(common, rank=A, device=devices[A], num_slots=source_slots, trimmed=False),
-             dict(common, rank=B, device=devices[B], num_slots=b_slots, trimmed=False),
-             dict(common, rank=C, device=devices[C], num_slots=source_slots, trimmed=True)]
+    src_spec = dict(common, num_slots=size.source_slots, device_tier_bytes=size.device_tier_bytes,
+                    host_tier_bytes=size.host_tier_bytes)
+    specs = [dict(src_spec, rank=A, device=devices[A], trimmed=False),
+             # B publishes nothing: no store (its tiers would be allocated and registered for nothing)
+             dict(common, rank=B, device=devices[B], num_slots=b_slots, trimmed=False,
+                  device_tier_bytes=0, host_tier_bytes=0),
+             dict(src_spec, rank=C, device=devices[C], trimmed=True)]
     replicas: dict[int, ReplicaProcess] = {}
     killed = False
     t_start = time.perf_counter()
@@ -248,23 +337,42 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         for source_proc in (ra, rc):
             rb.call("connect", source_proc.address)
 
-        # 1. cold prompts on both sources: prefill, publish, report to the directory
+        # 1. cold prompts on both sources: prefill, publish (the engines call publish_blocks
+        #    after each step), report to the directory. The sweep's prompt goes first, so
+        #    that the cold prompts' blocks are the most recently published: the device tier
+        #    holds the latest of them, the earlier ones are demoted to the host tier, and
+        #    the warm requests load from both.
         cold_reqs = [{"id": f"c{i}", "tokens": t, "hashes": block_hashes(t, cacheable_blocks(len(t)), salt)}
                      for i, t in enumerate(work.cold)]
+        waves = [cold_reqs]
         if sizes:
-            cold_reqs.append({"id": "sweep", "tokens": work.sweep,
-                              "hashes": block_hashes(work.sweep, max(sizes), salt)})
-        cold_arg = {"mode": "cold", "requests": cold_reqs, "new_tokens": new, "concurrency": args.concurrency}
-        for source_proc in (ra, rc):
-            source_proc.send("batch", cold_arg)
-        cold = {rank: replicas[rank].reply(600.0) for rank in (A, C)}
+            waves.insert(0, [{"id": "sweep", "tokens": work.sweep,
+                              "hashes": block_hashes(work.sweep, max(sizes), salt)}])
         directory: dict[int, dict[str, tuple[int, int]]] = {A: {}, C: {}}
         source_digests: dict[int, dict[str, str]] = {A: {}, C: {}}
-        for rank, res in cold.items():
-            for r in res["requests"]:
-                for (h, slot), d in zip(r["published"], r["digests"]):
-                    directory[rank][h] = (rank, slot)
-                    source_digests[rank][h] = d
+        published: dict[int, dict[str, Any]] = {
+            rank: {"available": 0, "evicted": 0, "skipped": 0, "failed": 0, "demoted": 0,
+                   "unregistered": 0, "publish_calls": 0, "publish_s": 0.0, "cache_evicted": 0}
+            for rank in (A, C)}
+        for wave in waves:
+            cold_arg = {"mode": "cold", "requests": wave, "new_tokens": new, "concurrency": args.concurrency}
+            for source_proc in (ra, rc):
+                source_proc.send("batch", cold_arg)
+            for rank in (A, C):
+                res = replicas[rank].reply(600.0)
+                for key, n in apply_publish_log(directory[rank], rank, res["publish_log"]).items():
+                    published[rank][key] += n
+                published[rank]["publish_calls"] += res["publish_calls"]
+                published[rank]["publish_s"] += res["publish_s"]
+                published[rank]["cache_evicted"] += res["cache"]["evicted"]
+                published[rank]["cache_slots"] = res["cache"]["slots"]
+                published[rank]["cache_held"] = res["cache"]["cached"]
+                for r in res["requests"]:
+                    for h, d in zip(r["hashes"], r["digests"]):
+                        source_digests[rank][h] = d
+        for rank, proc in ((A, ra), (C, rc)):
+            published[rank]["store_on"] = proc.store
+            published[rank]["store"] = proc.call("metrics").get("snapshot")
 
         # 2. route warm requests: the longest cached prefix and who holds it; long prompts
         #    share nothing and arrive among the warm ones
@@ -307,20 +415,22 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         metrics = {"A": None if killed else ra.call("metrics"), "B": rb.call("metrics"),
                    "C": rc.call("metrics")}
 
-        # 6. the break-even sweep: one request at a time, prefixes of n blocks
+        # 6. the break-even sweep: one request at a time, prefixes of n blocks (routed by the
+        #    directory like any request: a block the store evicted is recomputed)
         sweep: list[dict[str, Any]] = []
         if sizes and not killed:
             for n in sizes:
                 t = work.sweep[:n * BLOCK] + random.Random(n).choices(range(shape.vocab), k=SWEEP_SUFFIX)
-                hits = block_hashes(t, n, salt)
+                hashes = block_hashes(t, n, salt)
                 for rep in range(args.sweep_reps):
-                    req = {"id": f"s{n}.{rep}", "kind": "sweep", "tokens": t, "hits": hits}
                     one = {"new_tokens": 1, "concurrency": 1}
                     row: dict[str, Any] = {"blocks": n, "rep": rep}
                     for key, _title, src in COLUMNS:
                         mode = "recompute" if src is None else "load"
+                        _, hits = lookup(directory[A if src is None else src], hashes)
+                        req = {"id": f"s{n}.{rep}", "kind": "sweep", "tokens": t, "hits": hits, "source": src}
                         time.sleep(SWEEP_SETTLE_S)  # every replica's poller idle again
-                        res = rb.call("batch", {**one, "mode": mode, "requests": [{**req, "source": src}]})
+                        res = rb.call("batch", {**one, "mode": mode, "requests": [req]})
                         row[key] = res["requests"][0]
                     sweep.append(row)
     finally:
@@ -328,8 +438,19 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             r.close()
     res = summarize(args, shape, phases, again, source_digests, metrics, killed, sweep)
     res["placement"] = {"A": devices[A], "B": devices[B], "C": devices[C], "note": where}
+    res["store"] = store_summary(size, shape, published)
     res["run_s"] = time.perf_counter() - t_start
     return res
+
+
+def store_summary(size: Sizing, shape: ModelShape, published: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The sources' cache and tiers, and what publishing did on each (JSON)."""
+    bb = shape.block_nbytes
+    return {"on": all(p["store_on"] for p in published.values()), "configured": size.store,
+            "device_tier_bytes": size.device_tier_bytes, "host_tier_bytes": size.host_tier_bytes,
+            "block_bytes": bb, "prefix_blocks": size.prefix_blocks, "source_slots": size.source_slots,
+            "largest_request_slots": size.largest_request,
+            "sources": {name: published[rank] for name, rank in (("A", A), ("C", C))}}
 
 
 # -- checks and figures -------------------------------------------------------------------
@@ -405,6 +526,8 @@ def summarize(args: argparse.Namespace, shape: ModelShape, phases: dict[str, dic
             all_served += served
         col = _phase([r for r in phase["requests"] if not r["cancelled"]], wall)
         loaded = sum(r["hits"] for r in served if r["loaded"])
+        if source is not None:
+            col["tiers"] = tier_figures([r["load"] for r in served if r["loaded"]], shape.layers)
         col.update(blocks_loaded=loaded,
                    blocks_computed=sum(hits_of.get(r["id"], 0) for r in served if not r["loaded"]),
                    failures=sum(1 for r in served if r["fallback"]),
@@ -447,6 +570,35 @@ def summarize(args: argparse.Namespace, shape: ModelShape, phases: dict[str, dic
     }
 
 
+def tier_figures(loads: Sequence[dict[str, int]], layers: int) -> dict[str, Any]:
+    """Blocks and batches of a column's loads per snapshot tier, from their LoadResults.
+    A LoadResult counts (layer, block) pairs: divided by ``layers`` into 16-token blocks of
+    every layer. A load merged with others into one copy (``merge_loads``) is charged its
+    share of that copy's tiers, so which tier one load's batch came from is not known:
+    each load's batches are split between the tiers in proportion to its blocks (the
+    totals are exact when the merged batches are the same size; the JSON keeps the
+    fractions). A load served from neither tier (no store: live slots) counts as live."""
+    dev = sum(x["device_blocks"] for x in loads)
+    host = sum(x["host_blocks"] for x in loads)
+    dev_batches = host_batches = 0.0
+    live = 0
+    for x in loads:
+        d, h = x["device_blocks"], x["host_blocks"]
+        if d + h:
+            dev_batches += x["batches"] * d / (d + h)
+            host_batches += x["batches"] * h / (d + h)
+        else:
+            live += x["batches"]
+    n_dev = round(dev_batches)
+
+    def blocks(n: int) -> int | float:
+        return n // layers if n % layers == 0 else n / layers
+    return {"device_blocks": blocks(dev), "host_blocks": blocks(host),
+            "device_batches": n_dev, "host_batches": round(dev_batches + host_batches) - n_dev,
+            "device_batches_exact": dev_batches, "host_batches_exact": host_batches,
+            "live_batches": live, "batches": sum(x["batches"] for x in loads), "loads": len(loads)}
+
+
 def summarize_sweep(sweep: list[dict[str, Any]], exact: bool, rtol: float,
                     source_digests: dict[int, dict[str, str]], problems: list[str],
                     killed: bool) -> dict[str, Any]:
@@ -465,8 +617,10 @@ def summarize_sweep(sweep: list[dict[str, Any]], exact: bool, rtol: float,
                     r = rep[key]
                     problems += [f"sweep {key}: {p}" for p in check_answer(
                         r, exact, rtol, source_digests[source])]
-                    if not r["loaded"]:
+                    if r["hits"] and not r["loaded"]:
                         problems.append(f"sweep {key}: request {r['id']} did not load ({r['fallback']})")
+                # fewer: blocks of the sweep's prefix the store evicted (recomputed instead)
+                out[f"{key}_held"] = min(rep[key]["hits"] for rep in reps)
         rows.append(out)
     break_even = {key: break_even_blocks([(r["blocks"], r[f"{key}_ms"], r["recompute_ms"]) for r in rows])
                   for key in ("load", "trimmed")} if rows else {}
@@ -489,6 +643,11 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.2f} MiB"
 
 
+def _count(x: float) -> str:
+    """A count that may have a fraction (a merged load's share)."""
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
+
+
 def _grid(rows: list[tuple[str, ...]]) -> list[str]:
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(width[i]) if i == 0 else c.rjust(width[i]) for i, c in enumerate(r))
@@ -497,8 +656,44 @@ def _grid(rows: list[tuple[str, ...]]) -> list[str]:
     return lines
 
 
+def tier_batches(c: dict[str, Any], k: str, store: bool) -> str:
+    """The seed's form: "N device-tier batches and M host-tier batches"."""
+    if k == "recompute":
+        return "-"
+    t = c["tiers"]
+    text = f"{t['device_batches']} device-tier batches and {t['host_batches']} host-tier batches"
+    if t["live_batches"]:
+        text += f" (+{t['live_batches']} from live slots)"
+    return text if store else "n/a (no store: live slots)"
+
+
+def store_lines(res: dict[str, Any]) -> list[str]:
+    """The sources' paged cache and snapshot tiers, under the table."""
+    st = res["store"]
+    a = st["sources"]["A"]
+    bb = st["block_bytes"]
+    if not st["on"]:
+        why = "both tiers 0" if not st["configured"] else "the endpoint turned it off (no Triton)"
+        return [f"snapshot store: off ({why}): the sources serve their live slots and keep them "
+                f"({st['source_slots']} slots each for {st['prefix_blocks']} shared prefix blocks)"]
+    m = a["store"] or {}
+    ds, hs = m.get("device_slots", 0), m.get("host_slots", 0)
+    evicted = (f"{a['evicted']} evicted and unregistered from the directory" if a["evicted"] == a["unregistered"]
+               else f"{a['evicted']} evicted, {a['unregistered']} unregistered from the directory")
+    return [
+        (f"snapshot store per source: device tier {ds} blocks ({_mib(ds * bb)}), host tier {hs} blocks "
+         f"({_mib(hs * bb)}); after the cold prompts A's store held {m.get('device_used', 0)} blocks on "
+         f"the device tier and {m.get('host_used', 0)} on the host tier ({a['demoted']} demoted, {evicted}, "
+         f"{a['skipped']} skipped, {a['failed']} failed), published by {a['publish_calls']} publish_blocks "
+         f"calls ({a['publish_s'] * 1e3:,.1f} ms in all)"),
+        (f"sources' paged cache: {st['source_slots']} slots each for {st['prefix_blocks']} shared prefix "
+         f"blocks: A's engine reused the slots of {a['cache_evicted']} published blocks (it held "
+         f"{a.get('cache_held', 0)} at the end); the store serves them")]
+
+
 def table(res: dict[str, Any]) -> str:
     cols = [res["columns"][k] for k, _, _ in COLUMNS]
+    store = res["store"]["on"]
 
     def row(label: str, fmt: Callable[[dict[str, Any], str], str]) -> tuple[str, ...]:
         return (label, *(fmt(c, k) for c, (k, _, _) in zip(cols, COLUMNS)))
@@ -522,7 +717,9 @@ def table(res: dict[str, Any]) -> str:
         row("prefix blocks", lambda c, k: f"{c['blocks_loaded']} loaded" if k != "recompute"
             else f"{c['blocks_computed']} computed"),
         row("copy bytes / useful bytes", copy),
-        row("batches per tier", lambda c, k: "n/a until the snapshot store"),
+        row("batches per tier", lambda c, k: tier_batches(c, k, store)),
+        row("blocks per tier", lambda c, k: "-" if k == "recompute" else
+            f"{_count(c['tiers']['device_blocks'])} device-tier + {_count(c['tiers']['host_blocks'])} host-tier"),
         row("failures (fell back to recompute)", lambda c, k: "-" if k == "recompute" else str(c["failures"])),
         row("cancellations (mid-load)", lambda c, k: "-" if k == "recompute" else str(c["cancelled"])),
         row("engine steps (rows per step)", lambda c, k: f"{c['steps']} ({c['rows'] / max(c['steps'], 1):.0f})"),
@@ -536,7 +733,7 @@ def table(res: dict[str, Any]) -> str:
               f"workload: {o['warm']} warm requests sharing {o['prefix_blocks']}-block prefixes of "
               f"{o['cold']} cold prompts, {o['long_prompts']} cold long prompts of "
               f"{o['long_blocks']} blocks among them, {o['new_tokens']} tokens each",
-              f"where: {res['placement']['note']}"]
+              f"where: {res['placement']['note']}", *store_lines(res)]
     lines += ["", *sweep_table(res)]
     checks = (f"answers equal to the recomputed reference: {res['correct']}/{res['answers']}"
               + (f" (teacher-forced; near-tie flips {res['near_tie_flips']})" if res["teacher_forced"] else "")
@@ -544,6 +741,11 @@ def table(res: dict[str, Any]) -> str:
               f"loaded KV bytes equal to recomputed: {res['kv_bytes_equal']}/{res['kv_loaded']}")
     lines += ["", checks, "OK" if res["ok"] else "FAILED: " + "; ".join(res["problems"][:5])]
     return "\n".join(lines)
+
+
+def _sweep_load(r: dict[str, Any], key: str) -> str:
+    held = r.get(f"{key}_held", r["blocks"])
+    return f"{r[f'{key}_ms']:,.2f} ms" + (f" ({held} held)" if held < r["blocks"] else "")
 
 
 def sweep_table(res: dict[str, Any]) -> list[str]:
@@ -556,7 +758,7 @@ def sweep_table(res: dict[str, Any]) -> list[str]:
     for r in sw["rows"]:
         best = min(("recompute", "load", "trimmed"), key=lambda k: r[f"{k}_ms"])
         rows.append((f"{r['blocks']} / {r['tokens']}", f"{r['recompute_ms']:,.2f} ms",
-                     f"{r['load_ms']:,.2f} ms", f"{r['trimmed_ms']:,.2f} ms",
+                     _sweep_load(r, "load"), _sweep_load(r, "trimmed"),
                      {"recompute": "recompute", "load": "load", "trimmed": "load, trimmed"}[best]))
     device = res["options"]["device"]
     out = [f"break-even sweep: TTFT of one request alone, median of {reps}, {SWEEP_SUFFIX}-token suffix", ""]
@@ -621,6 +823,17 @@ _positive = cli_int(1)
 _non_negative = cli_int(0)
 
 
+def _mib_arg(text: str) -> float:
+    """An ``argparse`` type: a size in MiB, >= 0 (fractions allowed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of MiB: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite size >= 0: {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (for ``python -m xavier_async.demo`` and ``xavier-async demo``)."""
     g = parser.add_argument_group("demo")
@@ -651,6 +864,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="break-even sweep: prefix sizes in blocks, comma-separated, or 'none' "
                         "(default 1,2,4,...,256)")
     g.add_argument("--sweep-reps", type=_positive, help="runs per sweep size and mode (the median is shown)")
+    g.add_argument("--source-slots", type=_positive,
+                   help="slots of each source's paged cache (default: half the shared prefix set, "
+                        "at least the largest cold request: the sources reuse the slots of "
+                        "published blocks, which the snapshot store keeps serving)")
+    g.add_argument("--device-tier-mib", type=_mib_arg,
+                   help="each source's snapshot store device tier (default: cpu, half the cold "
+                        "prompts' blocks, so that it demotes to the host tier; cuda, 256 MiB as "
+                        "in the seed's deployment)")
+    g.add_argument("--host-tier-mib", type=_mib_arg,
+                   help="each source's snapshot store host tier (default: cpu, room for every "
+                        "published block; cuda, the library's default). Both tiers 0: no store, "
+                        "the sources serve and keep their live slots")
     g.add_argument("--seed", type=int, default=0, help="weights and workload seed")
     g.add_argument("--threads", type=_positive, default=1, help="torch threads per replica")
     g.add_argument("--rtol", type=float, default=2 ** -5,

@@ -8,12 +8,18 @@ the event loop stays free for transfers meanwhile: a request whose prefix is sti
 loaded (``await endpoint.load(...)`` in its own task) never holds the others up, and joins
 the next step after its load returns. This is the shape of a serving engine's scheduler
 (vLLM's chunked prefill), reduced to what the demo needs.
+
+On a source, the loop publishes after each step the prompt blocks that step completed,
+of every request, with one call (``Endpoint.publish_blocks``: one copy pass into the
+snapshot store), and only then lets that step's finished requests go: a finished request
+frees its slots, and the next one may overwrite them at once, since the store keeps the
+published bytes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +34,9 @@ class Request:
     their KV in those slots (``computed``: a loaded prefix counts), and what it produced.
 
     ``forced``: teacher forcing (decode step ``i + 1`` is fed ``forced[i]`` instead of the
-    request's own choice). ``on_ready``: called once the first ``ready_blocks`` blocks are
-    computed and on the device (a cold request publishes them then). ``snapshot_blocks``:
+    request's own choice). ``publish``: the keys of the prompt's leading full blocks, to
+    publish as the steps complete them (a cold request on a source); ``published``: how
+    many of them are. ``snapshot_blocks``:
     the leading blocks copied aside when the request finishes, for checks after the run.
     ``arrival``: when the request arrived (its place in the queue)."""
 
@@ -39,8 +46,8 @@ class Request:
     new_tokens: int
     computed: int = 0
     forced: Sequence[int] | None = None
-    ready_blocks: int = 0
-    on_ready: Callable[[], None] | None = None
+    publish: Sequence[str] = ()
+    published: int = 0
     snapshot_blocks: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     out: list[int] = field(default_factory=list)
@@ -101,16 +108,28 @@ def schedule(running: Sequence[Request], step_tokens: int) -> list[tuple[Request
     return plan
 
 
+#: ``publish(keys, slots)``: make blocks loadable by peers (the replica's
+#: ``Endpoint.publish_blocks``); the engine may overwrite the slots once it returns
+Publish = Callable[[list[str], list[int]], Awaitable[None]]
+
+
 class Engine:
     """The step loop of one replica. ``run_step`` runs a step on the model thread (the
-    replica passes a function that hands it to that thread and awaits the result)."""
+    replica passes a function that hands it to that thread and awaits the result).
+
+    ``publish``: called once after each step that completed prompt blocks of requests
+    with keys to publish, with every such block of the step (one call per step, as the
+    seed stages a batch after the forward pass). It is awaited before any request of
+    that step finishes, so a request's slots are never freed (and reused) before its
+    blocks are copied out."""
 
     def __init__(self, run_step: Callable[[list[StepItem]], Awaitable[StepResult]],
-                 step_tokens: int) -> None:
+                 step_tokens: int, publish: Publish | None = None) -> None:
         if step_tokens < 1:
             raise ValueError("step_tokens must be positive")
         self.run_step = run_step
         self.step_tokens = step_tokens
+        self.publish = publish
         self._running: list[Request] = []
         self._wake: Any = None
         #: steps run, and rows (tokens) they carried
@@ -149,25 +168,32 @@ class Engine:
             plan = schedule(self._running, self.step_tokens)
             try:
                 result = await self.run_step([item for _, item in plan])
+                now = time.perf_counter()
+                self.steps += 1
+                self.rows += sum(len(item.ids) for _, item in plan)
+                finished = self._apply(plan, result, now)
+                keys, slots = completed_blocks(r for r, _ in plan)
+                if keys and self.publish is not None:
+                    await self.publish(keys, slots)
             except Exception as exc:  # fail the requests, keep serving
                 for r in self._running:
                     r.error = exc
                     r.done.set()
                 self._running.clear()
                 continue
-            now = time.perf_counter()
-            self.steps += 1
-            self.rows += sum(len(item.ids) for _, item in plan)
-            self._apply(plan, result, now)
+            for r in finished:
+                self._running.remove(r)
+                r.done.set()
 
-    def _apply(self, plan: list[tuple[Request, StepItem]], result: StepResult, now: float) -> None:
+    def _apply(self, plan: list[tuple[Request, StepItem]], result: StepResult,
+               now: float) -> list[Request]:
+        """The step's results into its requests; returns those that finished (they are
+        told after the step's blocks are published)."""
         k = 0
+        finished = []
         for i, (r, item) in enumerate(plan):
             r.steps += 1
             r.computed += len(item.ids)
-            if r.on_ready is not None and r.computed >= r.ready_blocks * BLOCK:
-                r.on_ready()
-                r.on_ready = None
             if item.sample:
                 r.out.append(result.tokens[k])
                 r.logits.append(result.logits[k].clone())  # not the whole step's rows
@@ -178,5 +204,19 @@ class Engine:
                 r.snapshot = result.snapshots[i]
             if r.finished:
                 r.finished_at = now
-                self._running.remove(r)
-                r.done.set()
+                finished.append(r)
+        return finished
+
+
+def completed_blocks(requests: Iterable[Request]) -> tuple[list[str], list[int]]:
+    """The keys and slots of the blocks to publish that the requests' computed positions
+    now cover in full, marked published."""
+    keys: list[str] = []
+    slots: list[int] = []
+    for r in requests:
+        full = min(r.computed // BLOCK, len(r.publish))
+        if full > r.published:
+            keys += r.publish[r.published:full]
+            slots += r.slots[r.published:full]
+            r.published = full
+    return keys, slots

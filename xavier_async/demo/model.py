@@ -22,6 +22,7 @@ it uses SDPA over the gathered pages and is compared with a tolerance.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 from collections.abc import Sequence
@@ -119,29 +120,48 @@ def blocks_for(prompt_tokens: int, new_tokens: int) -> int:
 
 
 class PagedKV:
-    """The per-layer slot tensors, a free list of slots and one scratch slot."""
+    """The per-layer slot tensors, the free slots in LRU order and one scratch slot.
+
+    As in a serving engine's prefix cache (vLLM's free block queue), a freed slot keeps
+    its block until the slot is allocated again: :meth:`release` appends the slots to the
+    free queue (a request's last block first, so that its tail, the least shareable part,
+    goes first) and may name the block each one holds (``cached``); :meth:`alloc` takes
+    the least recently freed slots and counts each one that still held a block as evicted.
+    """
 
     def __init__(self, shape: ModelShape, num_slots: int, device: torch.device) -> None:
         self.shape = shape
+        self.num_slots = num_slots
         self.caches: dict[int, torch.Tensor] = {
             layer: torch.zeros(num_slots + 1, 2, shape.kv_heads, BLOCK, shape.head_dim,
                                dtype=shape.torch_dtype, device=device)
             for layer in range(shape.layers)}
         #: pads block tables; never allocated, never written
         self.scratch = num_slots
-        self._free = list(reversed(range(num_slots)))
+        self._free: collections.deque[int] = collections.deque(range(num_slots))
+        #: free slots that still hold a block: slot -> the block's key
+        self.cached: dict[int, str] = {}
+        #: blocks evicted from the cache (their slot was allocated again)
+        self.evicted = 0
 
     @property
     def free_slots(self) -> int:
         return len(self._free)
 
     def alloc(self, n: int) -> list[int]:
-        """``n`` free slots (last freed first, so a slot is reused soon after release)."""
+        """``n`` free slots, least recently freed first (evicting the blocks they held)."""
         if n > len(self._free):
             raise RuntimeError(f"out of KV slots: need {n}, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        out = [self._free.popleft() for _ in range(n)]
+        for s in out:
+            if self.cached.pop(s, None) is not None:
+                self.evicted += 1
+        return out
 
-    def release(self, slots: Sequence[int]) -> None:
+    def release(self, slots: Sequence[int], cached: Sequence[str] = ()) -> None:
+        """Free ``slots``; ``cached[i]``: the key of the block ``slots[i]`` still holds."""
+        for s, key in zip(slots, cached):
+            self.cached[s] = key
         self._free.extend(reversed(slots))
 
     def snapshot(self, slots: Sequence[int]) -> torch.Tensor:

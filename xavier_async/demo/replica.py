@@ -9,8 +9,13 @@ then joins the engine, which batches it with every other request in flight. The 
 thread is one dedicated thread (one device, and on CUDA one cuBLAS handle and one
 stream), so while a step runs the event loop keeps driving transfers. Three modes:
 
-* ``cold``: prefill the whole prompt, **publish** its full blocks once they are
-  computed, decode.
+* ``cold``: prefill the whole prompt, decode; the engine **publishes** its full blocks
+  after the steps that complete them (:meth:`Replica._publish`: ``publish_blocks``, one
+  call per step). With the snapshot store (on unless both tier budgets are 0) the blocks
+  are copied out, and the request frees its slots when it finishes: they stay in the
+  paged cache, as a prefix cache keeps them, until another request needs the slots
+  (least recently freed first), while the store keeps serving the blocks. Without the
+  store the request keeps its slots (they are what peers load from).
 * ``load``: the driver found ``hits`` (a prefix of block hashes) on peer ``source``:
   **load** them into the request's first slots, then join the engine with that prefix
   computed; on any :class:`~xavier_async.XavierError` join with nothing computed instead
@@ -51,16 +56,26 @@ T = TypeVar("T")
 
 
 class Replica:
-    """The request handling of one replica (runs on the replica's event loop)."""
+    """The request handling of one replica (runs on the replica's event loop).
+    ``store``: the endpoint copies published blocks into its snapshot store (a cold
+    request may then free its slots)."""
 
-    def __init__(self, model: PagedModel, endpoint: Any, conn: Connection, step_tokens: int) -> None:
+    def __init__(self, model: PagedModel, endpoint: Any, conn: Connection | None, step_tokens: int,
+                 store: bool = True) -> None:
         self.model = model
         self.ep = endpoint
         self.conn = conn
+        self.store = store
         #: float32 on the CPU is compared bit for bit (free-running); BF16 with tolerance
         self.exact = model.invariant
         self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
-        self.engine = Engine(self._step, step_tokens)
+        self.engine = Engine(self._step, step_tokens, publish=self._publish)
+        #: what each publish_blocks call did, in order (the driver's directory follows it)
+        self.publish_log: list[dict[str, Any]] = []
+        #: publish_blocks calls and the seconds they took
+        self.publish_calls = 0
+        self.publish_s = 0.0
+        self._freed: Any = None  # anyio.Event: slots were freed
         #: request id -> (tokens, logits, prefix block digests) of the recompute path
         self.reference: dict[str, tuple[list[int], torch.Tensor, list[str]]] = {}
 
@@ -87,6 +102,43 @@ class Replica:
     async def _step(self, items: list[StepItem]) -> StepResult:
         return await self._model(self.model.step, items)
 
+    async def _publish(self, keys: list[str], slots: list[int]) -> None:
+        """The engine's publish hook: one ``publish_blocks`` per step. When it returns the
+        blocks are in the store (or reported skipped, failed), and the slots are the
+        engine's again; the log tells the driver which keys became loadable and which
+        ones the store evicted to make room."""
+        t0 = time.perf_counter()
+        res = await self.ep.publish_blocks(keys, slots)
+        self.publish_s += time.perf_counter() - t0
+        self.publish_calls += 1
+        slot_of = dict(zip(keys, slots))
+        self.publish_log.append({"available": [(k, slot_of[k]) for k in res.available],
+                                 "evicted": list(res.evicted), "skipped": list(res.skipped),
+                                 "failed": list(res.failed), "demoted": len(res.demoted)})
+
+    async def _alloc(self, n: int, keeps: bool) -> list[int]:
+        """``n`` slots, waiting for requests in flight to free some (as a scheduler admits a
+        request once its blocks fit). ``keeps``: the caller will not free them."""
+        import anyio
+        kv = self.model.kv
+        if n > kv.num_slots:
+            raise RuntimeError(f"a request needs {n} KV slots, the cache has {kv.num_slots}")
+        while kv.free_slots < n:
+            if keeps:  # nothing in flight frees slots: waiting would never end
+                raise RuntimeError(
+                    f"out of KV slots: need {n}, {kv.free_slots} free; without the snapshot "
+                    "store a source keeps every slot it published")
+            if self._freed is None:
+                self._freed = anyio.Event()
+            await self._freed.wait()
+        return kv.alloc(n)
+
+    def _release(self, slots: list[int], cached: list[str]) -> None:
+        self.model.kv.release(slots, cached)
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = None
+
     async def warm_up(self) -> None:
         """One request through the engine, as long as a full step (or as the free slots
         allow), prefill and decode, so the first timed request pays no start-up cost
@@ -98,7 +150,7 @@ class Replica:
         try:
             await self.engine.generate(Request("warm-up", tokens, slots, 2))
         finally:
-            self.model.kv.release(slots)
+            self._release(slots, [])
 
     # -- one batch of requests ------------------------------------------------------------
     async def run_batch(self, arg: dict[str, Any]) -> dict[str, Any]:
@@ -118,9 +170,13 @@ class Replica:
             # failure injection: tell the driver that a load is in flight (it then kills the source)
             await first_load.wait()
             await anyio.sleep(0.2)
-            self.conn.send(("event", "loading"))
+            if self.conn is not None:
+                self.conn.send(("event", "loading"))
 
         steps, rows = self.engine.steps, self.engine.rows
+        kv, calls, publish_s = self.model.kv, self.publish_calls, self.publish_s
+        evicted = kv.evicted
+        self.publish_log = []
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
             if arg.get("signal_loading"):
@@ -133,7 +189,10 @@ class Replica:
         # the timed part ends here: the checks below cost nothing a request waited for
         results = [self._check(out, r) for out, r in (done[i] for i in sorted(done))]
         return {"wall_s": wall, "steps": self.engine.steps - steps, "rows": self.engine.rows - rows,
-                "requests": results}
+                "requests": results, "publish_log": self.publish_log,
+                "publish_calls": self.publish_calls - calls, "publish_s": self.publish_s - publish_s,
+                "cache": {"slots": kv.num_slots, "cached": len(kv.cached),
+                          "evicted": kv.evicted - evicted}}
 
     @staticmethod
     async def _cancel_soon(scope: Any) -> None:
@@ -146,7 +205,6 @@ class Replica:
         import anyio
 
         from .. import ALL_LAYERS, XavierError
-        kv = self.model.kv
         rid = str(req["id"])
         tokens: list[int] = req["tokens"]
         hashes: list[str] = req["hashes"] if mode == "cold" else req.get("hits", [])
@@ -155,8 +213,10 @@ class Replica:
                                "hit_hashes": [] if mode == "cold" else list(hashes), "loaded": False,
                                "fallback": None, "cancelled": False}
         t0 = time.perf_counter()
-        slots = kv.alloc(blocks_for(len(tokens), new_tokens))
-        keep = False
+        # a cold request's slots stay published (and so taken) only without the store
+        keep = mode == "cold" and not self.store
+        slots = await self._alloc(blocks_for(len(tokens), new_tokens), keep)
+        cached: list[str] = []  # keys of the blocks the slots hold when freed
         computed = 0
         try:
             if mode == "load" and hashes:
@@ -166,14 +226,18 @@ class Replica:
                         if cancel:  # cancelled mid-load: the load is under way when this fires
                             side.start_soon(self._cancel_soon, scope)
                         first_load.set()
-                        await self.ep.load(request)
+                        loaded = await self.ep.load(request)
                     if scope.cancelled_caught:
                         out["cancelled"] = True
                         out["latency_s"] = time.perf_counter() - t0
                         return out, None
                     out["loaded"] = True
+                    # where the source served the blocks from ((layer, block) pairs per tier)
+                    out["load"] = {"batches": loaded.batches, "device_blocks": loaded.device_tier_blocks,
+                                   "host_blocks": loaded.host_tier_blocks}
                     computed = len(hashes) * BLOCK
                 except XavierError as exc:  # the slots hold garbage: recompute them
+                    # (a source lost, or a block evicted from its store after routing)
                     out["fallback"] = type(exc).__name__
             out["joined_s"] = time.perf_counter() - t0
             forced = None
@@ -181,24 +245,21 @@ class Replica:
                 # BF16: decode on the reference's tokens (teacher forcing), so that one step's
                 # near-tie cannot turn every later step into a different continuation
                 forced = self.reference.get(rid, (None,))[0]
-            publish: Callable[[], None] | None = None
             if mode == "cold":
-                def publish() -> None:  # once computed: peers may load these blocks now
-                    for h, slot in zip(hashes, slots):
-                        self.ep.publish(h, slot)
-                out["published"] = list(zip(hashes, slots))
-                keep = True
+                out["hashes"] = list(hashes)
             r = Request(rid, tokens, slots, new_tokens, computed=computed, forced=forced,
-                        ready_blocks=len(hashes) if publish else 0, on_ready=publish,
+                        publish=hashes if mode == "cold" else (),
                         snapshot_blocks=len(hashes), arrival=t0)
             await self.engine.generate(r)
             assert r.first_token_at is not None and r.finished_at is not None
             out["ttft_s"] = r.first_token_at - t0
             out["latency_s"] = r.finished_at - t0
+            if mode == "cold":
+                cached = list(hashes)
             return out, r
         finally:
             if not keep:
-                kv.release(slots)
+                self._release(slots, cached)
 
     # -- after the timed part --------------------------------------------------------------
     def _check(self, out: dict[str, Any], r: Request | None) -> dict[str, Any]:
@@ -262,9 +323,15 @@ def replica_main(conn: Connection, spec: dict[str, Any]) -> None:
         return
 
     async def main() -> None:
-        config = EndpointConfig(trimmed=bool(spec["trimmed"]))
+        # the snapshot store's tiers (the sources'; the replica under test publishes
+        # nothing and asks for none)
+        config = EndpointConfig(trimmed=bool(spec["trimmed"]),
+                                snapshot_gpu_bytes=int(spec["device_tier_bytes"]),
+                                snapshot_cpu_bytes=spec["host_tier_bytes"])
         async with Endpoint(int(spec["rank"]), model.kv.caches, NixlTransport(), config) as ep:
-            replica = Replica(model, ep, conn, int(spec["step_tokens"]))
+            # on CUDA without Triton the endpoint turns the store off: then the slots are kept
+            store = "snapshot" in ep.snapshot_metrics()
+            replica = Replica(model, ep, conn, int(spec["step_tokens"]), store)
 
             async def metrics(_: Any) -> dict[str, Any]:
                 return ep.snapshot_metrics()
@@ -272,7 +339,7 @@ def replica_main(conn: Connection, spec: dict[str, Any]) -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(replica.engine.serve)
                 await replica.warm_up()
-                conn.send(("ok", ep.address))
+                conn.send(("ok", {"address": ep.address, "store": store}))
                 await serve_commands(conn, {"connect": ep.connect, "batch": replica.run_batch,
                                             "metrics": metrics})
                 tg.cancel_scope.cancel()
