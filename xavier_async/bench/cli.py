@@ -243,7 +243,7 @@ def _only_serving(args: argparse.Namespace, opts: Any, console: Any) -> int:
 
     from .. import __version__
     from .serving import serving, serving_tables
-    from .suite import use_device
+    from .common import use_device
     if opts.transport != "nixl":
         print("--only-serving runs processes over NIXL: drop --transport local", file=sys.stderr)
         return 2
