@@ -19,6 +19,9 @@ the default) or in this process (``--transport local``). Sections:
   loads (host: Python objects retained and RSS; device: the CUDA allocator);
 * packed path vs descriptor path per batch shape (:mod:`.descriptors`, raw NIXL between
   two processes, after the rig is closed), and the rule the figures support.
+* the snapshot store (:mod:`.snapshots`): a source serving from its two tiers against one
+  serving from live slots, hit rate and latency per tier, staging and demotion costs, and
+  direct write vs gather on pool memory (the rule for ``direct_write_regions``);
 * serving load (:mod:`.serving`): two source processes and this loader (DRAM), or two
   endpoints that both load and serve (the GPU pair), the trace replayed with 16 loads in
   flight, one receive/send slab vs the engine's default.
@@ -629,6 +632,14 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         res["descriptors"] = await anyio.to_thread.run_sync(
             lambda: run_descriptors(o.full_bytes, device, iters=max(8, o.copies // 2),
                                     warmup=min(o.warmup, 10), seed=o.seed, quick=o.quick))
+    if o.snapshot and o.transport == "nixl":
+        # after the rig is closed: a loader and three sources of its own, then raw NIXL
+        from .snapshots import snapshot_section
+        report("snapshot store")
+        try:
+            res["snapshot"] = await snapshot_section(o)
+        except Exception as exc:  # a wrong byte included: reported, and the command fails
+            res["snapshot"] = {"error": f"{type(exc).__name__}: {exc}"}
     if o.serving:
         # after the rig is closed: three processes of its own (loader and two sources)
         from .serving import serving
