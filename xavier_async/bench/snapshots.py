@@ -134,6 +134,8 @@ class Loads:
                      for r in ranks}
         self.blocks_checked = 0
         self.loads_checked = 0
+        #: refused loads whose destination was checked untouched (counted in loads_checked)
+        self.refused_checked = 0
 
     def _got(self, dest: int) -> torch.Tensor:
         return torch.stack([c[dest].reshape(-1).view(torch.uint8) for c in self.ep.caches.values()]).cpu()
@@ -154,6 +156,7 @@ class Loads:
             if self._got(dest).any():
                 raise AssertionError(f"a refused load of key {key} from rank {rank} wrote slot {dest}")
             self.loads_checked += 1
+            self.refused_checked += 1
             return dt, None
         dt = time.perf_counter() - t
         got, want = self._got(dest), self.want[rank][key % self.slots]
@@ -413,6 +416,7 @@ async def snapshot_section(o: BenchOptions, report: Callable[[str], None] = lamb
                             "bytes": block, "kind": "raw NIXL WRITE"}
             out["copy_floors"] = copies
             out["loads_checked"], out["blocks_checked"] = loads.loads_checked, loads.blocks_checked
+            out["refused_loads_checked"] = loads.refused_checked
             out["bytes_verified"] = True  # every load was checked (a wrong byte raises)
     c = out["compare"]
     live = c["live"]["pack_plus_post_to_done_p50_us"]
