@@ -497,7 +497,7 @@ def snapshot_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[
                           f"{ps['calls']} publish_blocks of {ps['blocks_per_call']}"])
         cost_rows.append([f"demotion, {name}", str(ps["demoted"]), ns(ps["demote_ns_per_block"]),
                           ns(ps["demote_copy_ns_per_block"]), times(ps["demote_ratio_to_copy"]),
-                          f"{rate(ps['demotions_per_s'])} ({rate(ps['demotions_per_s_of_wall'])} of wall)",
+                          rate(ps["demotions_per_s"]),
                           f"evicted {ps['evicted']}, skipped {ps['skipped']}"])
     tables = [
         (f"Snapshot store{note}: one hash over every layer from the device tier vs live slots "
@@ -512,8 +512,7 @@ def snapshot_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[
         ("Snapshot store: staging and demotion per block against a torch copy of the same bytes "
          "(staging: a batch's bytes on the device, per block; demotion: one block into host memory). "
          "cold: the tiers' memory written for the first time; warm: written before. Demotions per "
-         "second: in the store's demotion passes (and over the publish pass's wall time, which "
-         "includes the peer re-filling its slots)",
+         "second: blocks over the time of the store's demotion passes",
          cost_rows, ["pass", "blocks", "per block", "torch copy", "ratio", "demotions/s", "note"]),
     ]
     pp = s.get("pool_paths")
