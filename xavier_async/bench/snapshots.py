@@ -27,14 +27,18 @@ Parts, in order:
    of one publish batch on the device (the floor of staging) and from the device into
    host memory (pinned on CUDA: the floor of demotion).
 2. **One hash over every layer, three ways** (the issue's "Done when"): the same load
-   from each source, interleaved in rounds; per source the load's total (loader) and the
+   from each source, interleaved in rounds (the sources not measured left to nap, the one
+   measured woken by a few untimed loads, so four processes do not spin on a small
+   machine); per source the load's total (loader) and the
    source's ``pack`` and ``post_to_done`` stage p50s (its ``snapshot_metrics()["stages"]``
    over those loads), each over the floor. The store's loads must come from its device
    tier (``LoadResult.device_tier_blocks``), and ``store_direct``'s must be direct writes.
 3. **Tiers.** Rank 1 publishes a working set of ``3 x device_blocks`` new blocks in
    batches (the peer's ``publish_blocks``: its slots re-filled with their pattern,
    published, then zeroed), so its device tier overflows into the host tier and, once
-   that is full, blocks are evicted. From the staging and demotion counters of its store
+   that is full, blocks are evicted (*cold*: the tiers' memory written for the first
+   time); then it publishes again the blocks its host tier holds (*warm*: the store moves
+   blocks into memory it wrote before). From the staging and demotion counters of its store
    (``snapshot_metrics()["snapshot"]``: ``stage_ns``, ``staged_blocks``, ``demote_ns``,
    ``demoted``): staging cost per block and demotion cost per block against the torch
    copies, demotions per second. Then loads of random keys of the working set, one at a
