@@ -51,7 +51,7 @@ def test_the_command_line_keeps_nixl_quiet_unless_verbose(monkeypatch):
 def test_json_has_every_section_and_environment(report):
     for key in ("options", "environment", "floor", "seed_cases", "e2e_loads", "trace", "decision",
                 "memory", "memory_loads", "descriptors", "floor_after", "metrics", "peer_metrics",
-                "targets", "serving"):
+                "targets", "serving", "snapshot"):
         assert key in report, key
     env = report["environment"]
     assert env["transport"] == "nixl" and env["memory"] == "DRAM" and env["device"] == "cpu"
@@ -471,6 +471,17 @@ def test_memory_over_loads_and_the_descriptor_path_are_reported(report):
     assert d["rule"]["text"] and d["rule_to_slots"]["text"]
 
 
+def test_the_snapshot_section_runs_inside_the_quick_bench(report):
+    """On by default: its loads' bytes checked, nothing registered after warm-up in any of
+    its four processes, the direct-write rule printed (tests/test_bench_snapshots.py checks
+    the rest on --only-snapshot)."""
+    s = report["snapshot"]
+    assert "error" not in s, s.get("error")
+    assert s["bytes_verified"] and s["blocks_checked"] > 0 and s["as_predicted"]
+    assert set(s["registrations_after_warmup"].values()) == {0}
+    assert s["direct_write_regions"] == s["pool_paths"]["rule"]["max_regions"]
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError):
         BenchOptions(transport="tcp")
@@ -502,6 +513,7 @@ def test_local_transport_bench_runs_in_process(monkeypatch):
     assert r["trace"]["trimmed_streak"]["wire_over_useful"] <= 1.02
     assert r["serving"] == {"error": "AssertionError: blocks from rank 2 layer 1 differ"}
     assert r["memory_loads"]["bytes_verified"] and "descriptors" not in r  # needs NIXL
+    assert "snapshot" not in r  # so does the snapshot-store section
 
 
 def test_serving_section_needs_nixl():

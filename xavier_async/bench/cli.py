@@ -47,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "small), end-to-end loads, "
                                    "a serving-trace replay, the decision cost, memory growth over "
                                    "copies and over loads, the packed path vs the descriptor path "
-                                   "per batch shape, and serving load (16 loads in flight, a loader "
-                                   "and two sources, or two endpoints that both load and serve).")
+                                   "per batch shape, the snapshot store (its tiers against live "
+                                   "slots, hit rate per tier, staging and demotion, direct write vs "
+                                   "gather on pool memory), and serving load (16 loads in flight, a "
+                                   "loader and two sources, or two endpoints that both load and serve).")
     b.add_argument("--transport", choices=("nixl", "local"), default="nixl",
                    help="nixl: peer in a child process over real NIXL (default); local: in-process")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -67,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real loads for the memory-growth check over loads (default 10000)")
     b.add_argument("--no-descriptors", dest="descriptors", action="store_false",
                    help="skip the packed-vs-descriptor-path section (raw NIXL, two processes)")
+    snapshot = b.add_mutually_exclusive_group()
+    snapshot.add_argument("--no-snapshot", dest="snapshot", action="store_false",
+                          help="skip the snapshot-store section (a loader and three sources over "
+                               "NIXL: the store's tiers against live slots, then direct write vs "
+                               "gather on pool memory)")
+    snapshot.add_argument("--only-snapshot", action="store_true",
+                          help="run only the snapshot-store section (its own floors included)")
     b.add_argument("--seed", type=int, default=0)
     pin = b.add_mutually_exclusive_group()
     pin.add_argument("--pin", dest="pin", action="store_const", const=True, default=None,
@@ -180,7 +189,8 @@ def _bench(args: argparse.Namespace) -> int:
                             small_bytes=args.small, copies=args.copies, loads=args.loads,
                             trace_batches=args.trace_batches, trace_large=args.trace_large,
                             alloc_copies=args.alloc_copies, alloc_loads=args.alloc_loads,
-                            descriptors=args.descriptors, seed=args.seed, quick=args.quick,
+                            descriptors=args.descriptors, snapshot=args.snapshot,
+                            seed=args.seed, quick=args.quick,
                             pin_cpus=args.pin, compare=args.compare, serving=args.serving,
                             serving_topology=args.serving_topology,
                             serving_slabs=args.serving_slabs,
@@ -200,12 +210,19 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
 
     console = _console()
+    if args.only_serving and args.only_snapshot:
+        print("--only-serving and --only-snapshot: pick one", file=sys.stderr)
+        return 2
     if args.only_serving:
         return _only_serving(args, opts, console)
+    if args.only_snapshot:
+        return _only_snapshot(args, opts, console)
     sections = ["floor", "seed cases", "end-to-end loads", "trace replay", "trace as loads",
                 "decision cost", "memory growth", "memory over loads"]
     if opts.descriptors and opts.transport == "nixl":
         sections.append("descriptor path")
+    if opts.snapshot and opts.transport == "nixl":
+        sections.append("snapshot store")
     if opts.serving:
         sections.append("serving load")
     if opts.compare:
@@ -231,6 +248,9 @@ def _bench(args: argparse.Namespace) -> int:
     if "error" in result.get("serving", {}):
         print(f"the serving-load section failed: {result['serving']['error']}", file=sys.stderr)
         return 1
+    if "error" in result.get("snapshot", {}):
+        print(f"the snapshot-store section failed: {result['snapshot']['error']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -243,7 +263,7 @@ def _only_serving(args: argparse.Namespace, opts: Any, console: Any) -> int:
 
     from .. import __version__
     from .serving import serving, serving_tables
-    from .suite import use_device
+    from .common import use_device
     if opts.transport != "nixl":
         print("--only-serving runs processes over NIXL: drop --transport local", file=sys.stderr)
         return 2
@@ -252,6 +272,42 @@ def _only_serving(args: argparse.Namespace, opts: Any, console: Any) -> int:
     print_tables(f"xavier-async {__version__} | serving load only | {platform.platform()} | "
                  f"{os.cpu_count()} cpus", serving_tables(result["serving"]), console)
     _write(args, result)
+    return 0
+
+
+def _only_snapshot(args: argparse.Namespace, opts: Any, console: Any) -> int:
+    """``--only-snapshot``: the snapshot-store section alone (JSON: options, environment
+    facts and snapshot); a wrong byte or any failure: status 1."""
+    import platform
+    from dataclasses import asdict
+
+    import anyio
+
+    from .. import __version__
+    from .common import use_device
+    from .snapshots import snapshot_section, snapshot_tables
+    if opts.transport != "nixl":
+        print("--only-snapshot runs processes over NIXL: drop --transport local", file=sys.stderr)
+        return 2
+    device = use_device(opts)
+
+    def report(step: str) -> None:
+        print(f"... {step}", file=sys.stderr)
+
+    try:
+        section = anyio.run(snapshot_section, opts, report)
+    except Exception as exc:  # reported like the full bench does, in the JSON too
+        section = {"error": f"{type(exc).__name__}: {exc}"}
+    result = {"options": asdict(opts), "snapshot": section}
+    head = (f"xavier-async {__version__} | snapshot store only | device {device} | "
+            f"{platform.platform()} | {os.cpu_count()} cpus")
+    if section.get("note"):
+        head += f"\nnote: {section['note']}"
+    print_tables(head, snapshot_tables(section), console)
+    _write(args, result)
+    if "error" in section:
+        print(f"the snapshot-store section failed: {section['error']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -356,6 +412,9 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
     xo = r.get("compare", {}).get("xoscar")
     if xo is not None:
         tables.append(_compare_rows(sc, xo))
+    if "snapshot" in r:
+        from .snapshots import snapshot_tables
+        tables.extend(snapshot_tables(r["snapshot"]))
     if "serving" in r:
         from .serving import serving_tables
         tables.extend(serving_tables(r["serving"]))
@@ -447,6 +506,12 @@ def plot(r: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if "seed_cases" not in r and "snapshot" in r:  # --only-snapshot
+        from .snapshots import plot_snapshot
+        fig, ax = plt.subplots(figsize=(8, 5))
+        plot_snapshot(ax, r["snapshot"])
+        _save(fig, path)
+        return
     if "seed_cases" not in r:  # --only-serving
         from .serving import plot_serving
         fig, ax = plt.subplots(figsize=(7.5, 5))

@@ -38,7 +38,7 @@ from ..packing import CacheTable, DeviceRuns, SlabRows, byte_rows, pack, pack_ta
 from ..planning import PlannedBatch, Planner
 from ..testing.devices import gpu_facts, peer_device
 from ..testing.peer_process import LayoutSpec, digest, pattern_caches
-from .suite import bench_layout, stats
+from .common import bench_layout, stats
 
 PATHS = ("packed", "prepped", "runs", "direct")
 #: ``packed``: pack + one WRITE into the peer's slab; ``prepped``: ``make_prepped_xfer``

@@ -5,7 +5,7 @@ Two topologies (``BenchOptions.serving_topology``; ``auto`` picks ``duplex`` on 
 
 * ``three``: this process is the loader (rank 0); ranks 1 and 2 are sources, each a
   :class:`~xavier_async.testing.PeerProcess` whose caches hold known bytes. The loader
-  replays the seed-shaped trace (:func:`~xavier_async.bench.suite.make_trace`: a few cold
+  replays the seed-shaped trace (:func:`~xavier_async.bench.common.make_trace`: a few cold
   loads near the full slab among many warm small ones) as real :meth:`Endpoint.load` calls
   with :data:`CONCURRENCY` requests in flight, each load from one of the two sources.
 * ``duplex`` (the GPU pair: one process per GPU): two endpoints that both load and serve
@@ -63,7 +63,7 @@ from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requ
     replay_loads, split_caches, zero_caches
 from .raw import RAW_COPIES, raw_floor
 from .soak import _rss_kib
-from .suite import BenchOptions, bench_layout, make_trace, nearest_rank, stats, target
+from .common import BenchOptions, bench_layout, make_trace, nearest_rank, stats, target
 
 #: loads in flight, as in the seed's deployment
 CONCURRENCY = 16

@@ -19,6 +19,9 @@ the default) or in this process (``--transport local``). Sections:
   loads (host: Python objects retained and RSS; device: the CUDA allocator);
 * packed path vs descriptor path per batch shape (:mod:`.descriptors`, raw NIXL between
   two processes, after the rig is closed), and the rule the figures support.
+* the snapshot store (:mod:`.snapshots`): a source serving from its two tiers against one
+  serving from live slots, hit rate and latency per tier, staging and demotion costs, and
+  direct write vs gather on pool memory (the rule for ``direct_write_regions``);
 * serving load (:mod:`.serving`): two source processes and this loader (DRAM), or two
   endpoints that both load and serve (the GPU pair), the trace replayed with 16 loads in
   flight, one receive/send slab vs the engine's default.
@@ -35,7 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import anyio
@@ -49,160 +52,14 @@ from ..policy import ChannelPolicy
 from ..slabs import KiB, MiB
 from ..testing.devices import gpu_facts, peer_device
 from ..transports.local import LocalFabric
+from .common import (PEER, SEED_CASES, TRACE_MODES, BenchOptions, TraceBatch, bench_layout, make_trace,
+                     nearest_rank, stats, target, trace_payload, use_device)
 from .raw import RAW_COPIES, accept_raw_copies, copy_raw, raw_floor, tune_channel
 
-PEER = 1
-SEED_CASES = ("always_full", "alternating_size_only", "alternating_streak", "sustained_small")
-TRACE_MODES = {  # name: (streak, trimmed)
-    "padded_size_only": (1, False),
-    "padded_streak": (2, False),
-    "trimmed_streak": (2, True),
-}
-
-
-@dataclass
-class BenchOptions:
-    """What to run. ``quick`` shrinks every count for CI."""
-
-    transport: str = "nixl"
-    device: str = "auto"
-    full_bytes: int = 12 * MiB
-    small_bytes: int = 256 * KiB
-    copies: int = 400
-    warmup: int = 30
-    loads: int = 300
-    trace_batches: int = 628
-    trace_large: int = 25
-    alloc_copies: int = 10_000
-    #: real loads for the memory-growth check over loads
-    alloc_loads: int = 10_000
-    #: run the packed-vs-descriptor section (NIXL transport only)
-    descriptors: bool = True
-    seed: int = 0
-    quick: bool = False
-    progress: bool = True
-    #: pin this process and the peer to two different physical cores (>= 4 cores only);
-    #: None: only on the CPU (pinned next to CUDA's and UCX's threads, a GPU run halves)
-    pin_cpus: bool | None = None
-    #: also run the seed's four cases through an anchor (``"xoscar"``: xoscar's copy_to
-    #: over NIXL, two processes; needs ``pip install 'xavier-async[xoscar]'``)
-    compare: str | None = None
-    #: the serving-load section (16 loads in flight; NIXL only)
-    serving: bool = True
-    #: its topology: ``three`` (a loader and two sources), ``duplex`` (two endpoints that
-    #: both load and serve), ``auto`` (duplex on CUDA, three on the CPU)
-    serving_topology: str = "auto"
-    #: the slab count compared with K=1 (receive and send slabs; None: the engine's default)
-    serving_slabs: int | None = None
-    #: ``merge_small_bytes`` of the merged serving runs (None: the engine's default)
-    serving_merge_small: int | None = None
-    #: ``small_round_trips`` of the merged serving runs (None: no cap, the engine's default)
-    serving_small_trips: int | None = None
-    #: the serving section's endpoints (every run) copy only the payload (``trimmed``)
-    serving_trimmed: bool = False
-    #: count each serving process's host time per callback and engine function, per phase
-    #: (:class:`~xavier_async.testing.hostprof.HostProfile`; asyncio only, adds overhead)
-    serving_host_profile: bool = False
-    #: rounds of the serving section's runs, alternated (each figure: the median over them)
-    serving_rounds: int = 1
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("nixl", "local"):
-            raise ValueError(f"transport must be 'nixl' or 'local', got {self.transport!r}")
-        if self.compare not in (None, "xoscar"):
-            raise ValueError(f"compare must be None or 'xoscar', got {self.compare!r}")
-        if self.serving_topology not in ("auto", "three", "duplex"):
-            raise ValueError(f"serving_topology must be auto, three or duplex, got {self.serving_topology!r}")
-        if self.serving_slabs is not None and (type(self.serving_slabs) is not int
-                                               or not 1 <= self.serving_slabs <= 1024):
-            raise ValueError(f"serving_slabs must be an int from 1 to 1024, got {self.serving_slabs!r}")
-        if self.serving_merge_small is not None and (
-                type(self.serving_merge_small) is not int
-                or not self.small_bytes <= self.serving_merge_small <= self.full_bytes):
-            raise ValueError("serving_merge_small must be an int from the small view to the full "
-                             f"slab, got {self.serving_merge_small!r}")
-        if self.serving_small_trips is not None and (type(self.serving_small_trips) is not int
-                                                     or not 1 <= self.serving_small_trips <= 1024):
-            raise ValueError("serving_small_trips must be an int from 1 to 1024, got "
-                             f"{self.serving_small_trips!r}")
-        if type(self.serving_rounds) is not int or not 1 <= self.serving_rounds <= 100:
-            raise ValueError(f"serving_rounds must be an int from 1 to 100, got {self.serving_rounds!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        for name in ("full_bytes", "small_bytes", "copies", "warmup", "loads", "trace_batches",
-                     "alloc_copies", "alloc_loads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not 0 <= self.trace_large <= self.trace_batches:
-            raise ValueError("trace_large must be between 0 and trace_batches")
-        if self.small_bytes > self.full_bytes:
-            raise ValueError("small_bytes must not exceed full_bytes")
-        if self.quick:
-            self.copies, self.warmup, self.loads = min(self.copies, 60), min(self.warmup, 10), min(self.loads, 40)
-            self.trace_batches, self.trace_large = min(self.trace_batches, 126), min(self.trace_large, 5)
-            self.alloc_copies = min(self.alloc_copies, 1000)
-            self.alloc_loads = min(self.alloc_loads, 500)
-
-    def resolved_pin(self) -> bool:
-        """Whether to pin: as asked, else only when the run is on the CPU."""
-        return self.pin_cpus if self.pin_cpus is not None else self.resolved_device() == "cpu"
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        # CUDA only on a GPU pair: one GPU would time-slice the two processes
-        return "cuda" if torch.cuda.is_available() and not peer_device(1, "cuda").shared else "cpu"
-
-
-def nearest_rank(ordered: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of already sorted samples, by nearest rank."""
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def stats(samples: Sequence[float]) -> dict[str, float]:
-    """Median, p95 and mean, in microseconds."""
-    s = sorted(samples)
-    return {"median_us": statistics.median(s) * 1e6, "p95_us": nearest_rank(s, 0.95) * 1e6,
-            "mean_us": statistics.fmean(s) * 1e6, "n": len(s)}
-
-
-# -- the serving-trace generator -----------------------------------------------------------
-@dataclass(frozen=True)
-class TraceBatch:
-    keys: int      # block hashes in the batch
-    layers: int    # layers per block hash
-    large: bool
-
-
-def bench_layout(full_bytes: int) -> LayoutSpec:
-    """24 layers of 8 KiB blocks (a Qwen2.5-0.5B-like KV block: 2 x 16 tokens x 2 heads x 64,
-    BF16), with enough slots for a full-slab batch plus as many destination slots."""
-    spec = LayoutSpec(layers=24, num_slots=2, block_shape=(2, 16, 2, 64), dtype="bfloat16")
-    keys_full = max(1, full_bytes // (spec.layers * spec.block_nbytes))
-    return LayoutSpec(layers=24, num_slots=2 * keys_full, block_shape=(2, 16, 2, 64), dtype="bfloat16")
-
-
-def make_trace(n: int, n_large: int, layout: LayoutSpec, full_bytes: int, small_bytes: int,
-               seed: int) -> list[TraceBatch]:
-    """Cold long prompts (near the full slab) scattered among warm short ones (a few
-    layer-blocks, well under the small view), like the seed's deployment (628 batches:
-    25 near 12 MiB, 603 small)."""
-    rng = random.Random(seed)
-    bn = layout.block_nbytes
-    keys_full = max(1, full_bytes // (layout.layers * bn))
-    small_max = max(1, min(layout.layers, small_bytes // bn // 2))
-    large_at = set(rng.sample(range(n), n_large))
-    out = []
-    for i in range(n):
-        if i in large_at:
-            out.append(TraceBatch(rng.randint(max(1, keys_full - 4), keys_full), layout.layers, True))
-        else:
-            out.append(TraceBatch(1, rng.randint(2, small_max), False))
-    return out
-
-
-def trace_payload(b: TraceBatch, layout: LayoutSpec) -> int:
-    return b.keys * b.layers * layout.block_nbytes
+# the shared pieces live in .common (every section imports them from there); these names
+# stay importable from here
+__all__ = ["BenchOptions", "PEER", "SEED_CASES", "TRACE_MODES", "TraceBatch", "bench_layout",
+           "make_trace", "nearest_rank", "run", "stats", "target", "trace_payload", "use_device"]
 
 
 # -- rigs: the two endpoints ---------------------------------------------------------------
@@ -732,18 +589,6 @@ def _fill_send_slab(ep: Endpoint, seed: int) -> None:
                                             dtype=torch.uint8))
 
 
-def use_device(o: BenchOptions) -> str:
-    """Set this process up for the run's device (returned: ``cpu`` or ``cuda``)."""
-    device = o.resolved_device()
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    else:
-        # Both endpoints poll NIXL on their event loop; torch's intra-op threads on top of
-        # that oversubscribe a small CPU machine and turn microseconds into timeslices.
-        torch.set_num_threads(1)
-    return device
-
-
 async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run every section; return one JSON-able dict."""
     device = use_device(o)
@@ -787,6 +632,14 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         res["descriptors"] = await anyio.to_thread.run_sync(
             lambda: run_descriptors(o.full_bytes, device, iters=max(8, o.copies // 2),
                                     warmup=min(o.warmup, 10), seed=o.seed, quick=o.quick))
+    if o.snapshot and o.transport == "nixl":
+        # after the rig is closed: a loader and three sources of its own, then raw NIXL
+        from .snapshots import snapshot_section
+        report("snapshot store")
+        try:
+            res["snapshot"] = await snapshot_section(o)
+        except Exception as exc:  # a wrong byte included: reported, and the command fails
+            res["snapshot"] = {"error": f"{type(exc).__name__}: {exc}"}
     if o.serving:
         # after the rig is closed: three processes of its own (loader and two sources)
         from .serving import serving
@@ -817,12 +670,6 @@ async def compare_xoscar(o: BenchOptions, res: dict[str, Any], device: str) -> d
         return {"error": f"{type(exc).__name__}: {exc}"}
     xo["speedup_vs_xavier"] = anchor_xoscar.compare_with(res["seed_cases"], xo)
     return xo
-
-
-def target(value: float, limit: float, le: bool = True) -> dict[str, Any]:
-    """One row of a target table: the value, its limit and whether it is met (``value <=
-    limit``, or ``>=`` with ``le=False``)."""
-    return {"value": value, "limit": limit, "met": value <= limit if le else value >= limit}
 
 
 def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -73,7 +73,7 @@ def _child(role: str, spec: dict[str, Any]) -> ChildProcess:
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
-    from .suite import stats
+    from .common import stats
     return stats(samples)
 
 
