@@ -98,9 +98,10 @@ class EndpointConfig:
 
     ``direct_write_regions``: a serve from the store whose blocks lie in the store as at
     most this many contiguous regions of the device tier (one block over every layer is
-    one region; so are consecutive slots of a single layer) is written straight from the
-    store into the peer's receive slab, with no gather into a send slab (no source
-    kernel); anything else is gathered with one pass, then written. A direct write moves
+    one region; the receive slab's layout is layer-major, so a batch of several blocks is
+    one region per block and layer) is written straight from the store into the peer's
+    receive slab, with no gather into a send slab (no source kernel); anything else is
+    gathered with one pass, then written. A direct write moves
     exactly the payload (as ``trimmed`` does), whatever view the channel's machine chose.
     0 (the default): always gather. Where the crossover lies (a descriptor's cost against
     a gather's, measured by ``xavier-async bench``): docs/concepts.md.
