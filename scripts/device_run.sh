@@ -2,8 +2,8 @@
 # The VRAM path on a machine with two GPUs (the lent nvidia-h200-x2 here): NIXL wheels
 # installed from .whl/, the NIXL process tests VRAM to VRAM, the raw NIXL floor tool, the
 # full benchmark and the real-model demo. Results go to $OUT (or ./out).
-# Usage: bash scripts/device_run.sh [tests] [kernels] [floor] [bench] [demo] [serving] [profile]
-#   (default: the first five; serving: the serving section alone, duplex and three processes;
+# Usage: bash scripts/device_run.sh [tests] [kernels] [floor] [snapshot] [bench] [demo] [serving] [profile]
+#   (default: tests kernels floor bench demo; snapshot: the snapshot-store section alone; serving: the serving section alone, duplex and three processes;
 #    profile: the three-process serving section under py-spy, if its wheel is in .whl/;
 #    matrix: the serving section once per line of $MATRIX, "tag: bench flags";
 #    SERVING_TOPOLOGIES, SERVING_ARGS and SERVING_TAG narrow and vary the serving step;
@@ -19,10 +19,12 @@ steps=${*:-tests kernels floor bench demo}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; nproc;
   python3 -c 'import torch, nixl, anyio, transformers; print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "anyio", anyio.__version__, "transformers", transformers.__version__)'; } 2>&1 | tee "$OUT/machine.txt"
 for step in $steps; do case $step in
-  tests) XAVIER_TEST_DEVICE=cuda NIXL_LOG_LEVEL=WARN timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nixl_process.py tests/test_concurrency_nixl.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda.txt" ;;
+  tests) XAVIER_TEST_DEVICE=cuda NIXL_LOG_LEVEL=WARN timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nixl_process.py tests/test_concurrency_nixl.py tests/test_snapshots_nixl.py 2>&1 | tail -25 | tee "$OUT/pytest_cuda.txt" ;;
   kernels) { timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_packing.py -k fused_kernel_on_cuda 2>&1 | tail -5;
             timeout 200 python3 scripts/gpu_pack_timing.py 2>&1; timeout 200 python3 scripts/gpu_launch_timing.py 2>&1; } | tee "$OUT/kernels.txt" ;;
   floor) [ -f .whl/nixl_floor.py ] && NIXL_LOG_LEVEL=WARN timeout 120 python3 .whl/nixl_floor.py cuda 300 2>&1 | tee "$OUT/nixl_floor.txt" ;;
+  snapshot) # the snapshot-store section alone: tiers, staging, demotion, store vs live slots
+        timeout 400 python3 -m xavier_async.bench bench --only-snapshot --device cuda --json "$OUT/snapshot_cuda.json" 2>&1 | tee "$OUT/snapshot_cuda.txt" ;;
   bench) timeout 560 python3 -m xavier_async.bench bench --json "$OUT/bench_cuda.json" --plot "$OUT/bench_cuda.png" 2>&1 | tee "$OUT/bench_cuda.txt" ;;
   serving) for topo in ${SERVING_TOPOLOGIES:-duplex three}; do
             timeout 280 python3 -m xavier_async.bench bench --only-serving --serving-topology $topo ${SERVING_ARGS:-} --json "$OUT/serving_$topo${SERVING_TAG:-}.json" --plot "$OUT/serving_$topo${SERVING_TAG:-}.png" 2>&1 | tee "$OUT/serving_$topo${SERVING_TAG:-}.txt"; done ;;
