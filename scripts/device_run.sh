@@ -39,4 +39,7 @@ for step in $steps; do case $step in
   demo) # the demo as a serving engine: BF16 Qwen2.5-0.5B shape, 16 in flight, three columns and
         # the break-even sweep; with one GPU every replica shares cuda:0 (the output says so)
         timeout 560 python3 -m xavier_async.bench demo --device cuda --json "$OUT/demo_cuda.json" --plot "$OUT/demo_cuda.png" 2>&1 | tee "$OUT/demo_cuda.txt" ;;
+  demo-tiers) # the same with device tiers of 16 blocks (3 MiB) for its 288 published blocks, so
+        # that both tiers serve, as in the CPU run (the 256 MiB default holds them all)
+        timeout 560 python3 -m xavier_async.bench demo --device cuda --device-tier-mib 3 --json "$OUT/demo_cuda.json" --plot "$OUT/demo_cuda.png" 2>&1 | tee "$OUT/demo_cuda.txt" ;;
 esac; done

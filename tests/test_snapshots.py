@@ -305,3 +305,37 @@ async def test_one_block_over_every_layer_is_written_straight_from_the_store():
                     _expect(snap, key, slot, a.caches)
             assert_same_bytes(a.caches[0][11], snap[1][0])
             assert seen == expect_direct, seen
+
+
+async def test_a_serves_single_pass_matches_the_store_table_and_the_tiers():
+    """``SnapshotStore.serve`` (the source's one pass per serve) leases exactly the slots
+    read, counts each tier's (layer, key) pairs, and gathers through the same runs as
+    ``StoreTable.pack_table``, for random batches over both tiers."""
+    from xavier_async.planning import Segment
+
+    rng = random.Random(7)
+    async with cluster([_caches(1)], _cfg(device_blocks=6, host_blocks=10)) as (a,):
+        await a.publish_blocks(list(range(16)), list(range(16)))
+        store = a._source.store
+        where = {k: store.index.slot(k) for k in range(16)}
+        assert any(s < store.index.device_slots for s in where.values())
+        assert any(s >= store.index.device_slots for s in where.values())
+        for _ in range(200):
+            keys = tuple(rng.sample(range(16), rng.randint(1, 5)))
+            layers = rng.sample(range(LAYERS), rng.randint(1, LAYERS))
+            segs, off = [], 0
+            for layer in layers:
+                segs.append(Segment(layer, keys, off, 1024))
+                off += 1024 * len(keys)
+            slot_lists = [[where[k] for k in keys] for _ in layers]
+            leased, tiers, table = store.serve(1 << 20, segs, slot_lists)
+            try:
+                assert sorted(leased) == sorted({where[k] for k in keys})
+                assert all(store.index.is_leased(s) for s in leased)
+                host = sum(1 for k in keys if where[k] >= store.index.device_slots) * len(layers)
+                assert tiers == (len(keys) * len(layers) - host, host)
+                assert table == store.table.pack_table(1 << 20, segs, slot_lists)
+                assert sum(table[2]) == off
+            finally:
+                store.release(leased)
+        assert store.index.leased == 0

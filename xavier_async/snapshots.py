@@ -290,12 +290,6 @@ class SnapshotStore:
                 await anyio.lowlevel.checkpoint()
 
     # -- leases ------------------------------------------------------------------------
-    def lease(self, slot_lists: Sequence[Sequence[int]]) -> tuple[int, ...]:
-        """Lease every slot a serve reads (returned, for :meth:`release`)."""
-        slots = tuple({s for slots in slot_lists for s in slots})
-        self.index.lease(slots)
-        return slots
-
     def release(self, slots: tuple[int, ...]) -> None:
         self.index.release(slots)
         ev = self._released
@@ -310,22 +304,53 @@ class SnapshotStore:
                 self._released = anyio.Event()
             await self._released.wait()
 
-    def touch(self, segments: Sequence[Segment]) -> None:
-        """The keys of a serve were used: most recently used in their tiers."""
-        prev = None
-        touch = self.index.touch
-        for seg in segments:
-            if seg.keys is not prev:
-                prev = seg.keys
-                for key in seg.keys:
-                    touch(key)
-
-    def gather_table(self, slab: SlabRows, segments: Sequence[Segment],
-                     slot_lists: Sequence[Sequence[int]]) -> RunTable:
-        """The runs gathering a serve's blocks from the tiers into a send slab."""
-        if self.table is None:
+    def serve(self, slab_ptr: int, segments: Sequence[Segment],
+              slot_lists: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], tuple[int, int], RunTable]:
+        """What one serve needs, in one pass over its blocks (the source's hot path): the
+        slots it reads, leased (for :meth:`release`); its keys touched (most recently
+        used); its (device-tier, host-tier) block counts; the runs gathering it into a
+        slab at ``slab_ptr`` (as :meth:`StoreTable.pack_table`)."""
+        t = self.table
+        if t is None:
             raise InvalidRequestError("the snapshot store is not started")
-        return self.table.pack_table(slab.ptr, segments, slot_lists)
+        split, stride = t.split, t.stride
+        dev_base, host_base = t.device_base, t.host_base
+        touch = self.index.touch
+        dst: list[int] = []
+        src: list[int] = []
+        ns: list[int] = []
+        read: set[int] = set()
+        host = total = 0
+        prev = prev_slots = None
+        end_d = end_s = -1  # where the last run ends, in the slab and in the store
+        for (layer, keys, offset, bn, _), slots in zip(segments, slot_lists):
+            if keys is not prev:
+                prev = keys
+                for key in keys:
+                    touch(key)
+            if slots != prev_slots:
+                prev_slots = slots
+                read.update(slots)
+            d = slab_ptr + offset
+            db, hb = dev_base[layer], host_base[layer]
+            for slot in slots:
+                if slot < split:
+                    s = db + slot * stride
+                else:
+                    s = hb + slot * stride
+                    host += 1
+                if d == end_d and s == end_s:
+                    ns[-1] += bn
+                else:
+                    dst.append(d)
+                    src.append(s)
+                    ns.append(bn)
+                d += bn
+                end_d, end_s = d, s + bn
+            total += len(slots)
+        leased = tuple(read)
+        self.index.lease(leased)
+        return leased, (total - host, host), (dst, src, ns)
 
     def run(self, table: RunTable) -> Any:
         """Execute a gather (memmoves on the CPU; on CUDA one fused launch, whose event
@@ -341,17 +366,12 @@ class SnapshotStore:
         (the memory kind of the slabs)."""
         if self.layout.device.type == "cpu":
             return True
-        if self.device_pool is None:
+        pool = self.device_pool
+        if pool is None:
             return False
-        lo = self.device_pool.data_ptr()
-        hi = lo + self.device_pool.numel()
+        lo = pool.data_ptr()
+        hi = lo + pool.numel()
         return all(lo <= s and s + n <= hi for s, n in zip(table[1], table[2]))
-
-    def tiers(self, slot_lists: Sequence[Sequence[int]]) -> tuple[int, int]:
-        """(device-tier blocks, host-tier blocks) among the (layer, key) pairs served."""
-        split = self.index.device_slots
-        host = sum(1 for slots in slot_lists for s in slots if s >= split)
-        return sum(len(slots) for slots in slot_lists) - host, host
 
     def stats(self) -> dict[str, int]:
         """The index's counts, the block size, and the staging and demotion passes of

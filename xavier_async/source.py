@@ -258,11 +258,9 @@ class Source:
                 event = pack(self._rows[send], load.segments, ready.slot_lists, caches.table,
                              caches.device_runs)
             else:  # from the store's tiers; its slots are leased until the copy is terminal
-                self._leased[send] = store.lease(ready.slot_lists)
-                store.touch(load.segments)
-                tiers = store.tiers(ready.slot_lists)
                 rows = self._rows[send]
-                table = store.gather_table(rows, load.segments, ready.slot_lists)
+                self._leased[send], tiers, table = store.serve(rows.ptr, load.segments,
+                                                               ready.slot_lists)
                 if (self._direct and not load.verify and len(table[2]) <= self._direct_max
                         and store.writable_directly(table)):
                     # few regions: written straight from the store, nothing gathered
