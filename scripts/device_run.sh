@@ -39,6 +39,10 @@ for step in $steps; do case $step in
   demo) # the demo as a serving engine: BF16 Qwen2.5-0.5B shape, 16 in flight, three columns and
         # the break-even sweep; with one GPU every replica shares cuda:0 (the output says so)
         timeout 560 python3 -m xavier_async.bench demo --device cuda --json "$OUT/demo_cuda.json" --plot "$OUT/demo_cuda.png" 2>&1 | tee "$OUT/demo_cuda.txt" ;;
+  demo-step) # one engine step of the demo's model, three shapes, and the profiler's busiest operators
+        timeout 300 python3 scripts/demo_step_timing.py cuda 2>&1 | tee "$OUT/demo_step.txt" ;;
+  protocol-floor) # the plain-Python protocol floor alone (the bench runs it beside its loads)
+        timeout 200 python3 -c 'from xavier_async.bench.protocol_floor import main; main()' cuda 2>&1 | tee "$OUT/protocol_floor_cuda.txt" ;;
   demo-tiers) # the same with device tiers of 16 blocks (3 MiB) for its 288 published blocks, so
         # that both tiers serve, as in the CPU run (the 256 MiB default holds them all)
         timeout 560 python3 -m xavier_async.bench demo --device cuda --device-tier-mib 3 --json "$OUT/demo_cuda.json" --plot "$OUT/demo_cuda.png" 2>&1 | tee "$OUT/demo_cuda.txt" ;;

@@ -320,8 +320,8 @@ async def test_a_serves_single_pass_matches_the_store_table_and_the_tiers():
         where = {k: store.index.slot(k) for k in range(16)}
         assert any(s < store.index.device_slots for s in where.values())
         assert any(s >= store.index.device_slots for s in where.values())
-        for _ in range(200):
-            keys = tuple(rng.sample(range(16), rng.randint(1, 5)))
+        for i in range(200):
+            keys = tuple(rng.sample(range(16), 16 if i % 10 == 0 else rng.randint(1, 5)))
             layers = rng.sample(range(LAYERS), rng.randint(1, LAYERS))
             segs, off = [], 0
             for layer in layers:
@@ -334,8 +334,41 @@ async def test_a_serves_single_pass_matches_the_store_table_and_the_tiers():
                 assert all(store.index.is_leased(s) for s in leased)
                 host = sum(1 for k in keys if where[k] >= store.index.device_slots) * len(layers)
                 assert tiers == (len(keys) * len(layers) - host, host)
-                assert table == store.table.pack_table(1 << 20, segs, slot_lists)
-                assert sum(table[2]) == off
+                runs = store.table.pack_table(1 << 20, segs, slot_lists)
+                if len(keys) < store.VECTOR_FROM:
+                    assert table == runs
+                else:  # laid out by numpy: one run per block, the same bytes
+                    assert sorted(zip(*(list(map(int, x)) for x in table))) == sorted(
+                        (d + k * 1024, s + k * 1024, 1024) for d, s, n in zip(*runs)
+                        for k in range(n // 1024))
+                assert sum(map(int, table[2])) == off
             finally:
                 store.release(leased)
         assert store.index.leased == 0
+
+
+@pytest.mark.parametrize("tiers", [(16, 0), (0, 16), (6, 10)])
+async def test_a_host_gather_of_many_rows_moves_the_bytes_memmoves_would(tiers):
+    """On the CPU a gather of many equal runs from one tier is one ``index_select``
+    (``SnapshotStore._gather_rows``); its slab bytes equal the memmove path's, and a table
+    over both tiers, or too short, falls back to memmoves."""
+    from xavier_async.packing import run_host
+    from xavier_async.planning import Segment
+
+    async with cluster([_caches(2)], _cfg(device_blocks=tiers[0], host_blocks=tiers[1])) as (a,):
+        await a.publish_blocks(list(range(16)), list(range(16)))
+        store = a._source.store
+        keys = tuple(range(16))
+        segs = [Segment(layer, keys, layer * 16 * 1024, 1024) for layer in range(LAYERS)]
+        slot_lists = [[store.index.slot(k) for k in keys] for _ in range(LAYERS)]
+        fast, slow = (torch.zeros(LAYERS * 16 * 1024 + 4096, dtype=torch.uint8) for _ in range(2))
+        leased, _, table = store.serve(fast.data_ptr() + 4096 - 1024 * 4, segs, slot_lists)
+        store.release(leased)
+        table_slow = store.table.pack_table(slow.data_ptr() + 4096 - 1024 * 4, segs, slot_lists)
+        one_tier = 0 in tiers
+        assert store._gather_rows(table, fast) is one_tier
+        if not one_tier:
+            store.run(table, fast)  # the memmoves, from the numpy table
+        run_host(table_slow)
+        assert torch.equal(fast, slow) and fast.any()
+        assert store._gather_rows((table[0][:8], table[1][:8], table[2][:8]), fast) is False

@@ -26,6 +26,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import anyio
+import numpy as np
 import torch
 
 from .errors import InvalidRequestError
@@ -50,6 +51,11 @@ class PublishResult:
     skipped: tuple[BlockKey, ...] = ()
     demoted: tuple[BlockKey, ...] = ()
     failed: tuple[BlockKey, ...] = ()
+
+
+#: a serve's gather runs: (destinations, sources, sizes) as lists, or numpy arrays for a
+#: large batch served from host memory (:meth:`SnapshotStore.serve`)
+GatherRuns = tuple[Any, Any, Any]
 
 
 class StoreTable:
@@ -304,12 +310,17 @@ class SnapshotStore:
                 self._released = anyio.Event()
             await self._released.wait()
 
+    #: a segment of this many blocks or more is laid out with numpy, not block by block
+    VECTOR_FROM = 16
+
     def serve(self, slab_ptr: int, segments: Sequence[Segment],
-              slot_lists: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], tuple[int, int], RunTable]:
-        """What one serve needs, in one pass over its blocks (the source's hot path): the
-        slots it reads, leased (for :meth:`release`); its keys touched (most recently
+              slot_lists: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], tuple[int, int], GatherRuns]:
+        """What one serve needs, in one pass over its segments (the source's hot path):
+        the slots it reads, leased (for :meth:`release`); its keys touched (most recently
         used); its (device-tier, host-tier) block counts; the runs gathering it into a
-        slab at ``slab_ptr`` (as :meth:`StoreTable.pack_table`)."""
+        slab at ``slab_ptr`` (as :meth:`StoreTable.pack_table`; a segment of
+        ``VECTOR_FROM`` blocks or more is laid out by numpy, one run per block, so a large
+        batch costs no Python per block)."""
         t = self.table
         if t is None:
             raise InvalidRequestError("the snapshot store is not started")
@@ -319,6 +330,7 @@ class SnapshotStore:
         dst: list[int] = []
         src: list[int] = []
         ns: list[int] = []
+        chunks: list[tuple[Any, Any, Any]] = []  # numpy runs, in slab order with the lists'
         read: set[int] = set()
         host = total = 0
         prev = prev_slots = None
@@ -333,6 +345,20 @@ class SnapshotStore:
                 read.update(slots)
             d = slab_ptr + offset
             db, hb = dev_base[layer], host_base[layer]
+            m = len(slots)
+            total += m
+            if m >= self.VECTOR_FROM:
+                if ns:  # keep slab order: the runs so far first
+                    chunks.append((np.array(dst, np.int64), np.array(src, np.int64),
+                                   np.array(ns, np.int64)))
+                    dst, src, ns = [], [], []
+                sl = np.fromiter(slots, np.int64, m)
+                in_host = sl >= split
+                host += int(np.count_nonzero(in_host))
+                chunks.append((d + bn * np.arange(m, dtype=np.int64),
+                               sl * stride + np.where(in_host, hb, db), np.full(m, bn, np.int64)))
+                end_d = end_s = -1
+                continue
             for slot in slots:
                 if slot < split:
                     s = db + slot * stride
@@ -347,20 +373,66 @@ class SnapshotStore:
                     ns.append(bn)
                 d += bn
                 end_d, end_s = d, s + bn
-            total += len(slots)
         leased = tuple(read)
         self.index.lease(leased)
-        return leased, (total - host, host), (dst, src, ns)
+        table: GatherRuns = (dst, src, ns)
+        if chunks:
+            if ns:
+                chunks.append((np.array(dst, np.int64), np.array(src, np.int64),
+                               np.array(ns, np.int64)))
+            cat = [np.concatenate([c[i] for c in chunks]) for i in range(3)]
+            # the device path and the memmoves take Python ints; the host gather numpy
+            table = (cat[0], cat[1], cat[2]) if self._runs is None and self._host_rows else (
+                cat[0].tolist(), cat[1].tolist(), cat[2].tolist())
+        return leased, (total - host, host), table
 
-    def run(self, table: RunTable) -> Any:
-        """Execute a gather (memmoves on the CPU; on CUDA one fused launch, whose event
-        is returned)."""
+    def run(self, table: GatherRuns, slab: torch.Tensor | None = None) -> Any:
+        """Execute a gather (a table from :meth:`serve`) into ``slab`` (the byte tensor
+        its destinations lie in): on CUDA one fused launch, whose event is returned; on
+        the CPU one ``index_select`` when the runs are many equal rows of one tier landing
+        one after another, else memmoves."""
         if self._runs is None:
-            run_host(table)
+            if slab is None or not self._gather_rows(table, slab):
+                if isinstance(table[0], np.ndarray):
+                    table = (table[0].tolist(), table[1].tolist(), table[2].tolist())
+                run_host(table)
             return None
         return self._runs.run(table)
 
-    def writable_directly(self, table: RunTable) -> bool:
+    #: whether a host gather of many rows is one ``index_select`` (tests turn it off to
+    #: compare with the memmoves)
+    _host_rows = True
+
+    #: from this many runs a host gather is worth one ``index_select`` (a Python memmove
+    #: per run costs about as much as moving its 8 KiB)
+    ROWS_FROM = 32
+
+    def _gather_rows(self, table: GatherRuns, slab: torch.Tensor) -> bool:
+        """A block-major gather into the layer-major slab (many hashes over every layer:
+        one run per (hash, layer), all the same size, landing one after another) as ONE
+        ``index_select`` of pool rows into the slab, instead of a memmove per run.
+        False (nothing copied) when the runs do not have that shape."""
+        count = len(table[2])
+        if not self._host_rows or count < self.ROWS_FROM:
+            return False
+        dst, src, ns = (np.asarray(x, dtype=np.int64) for x in table)
+        n = int(ns[0])
+        d0 = int(dst[0]) - slab.data_ptr()
+        if (d0 < 0 or d0 % n or d0 + count * n > slab.numel() or not (ns == n).all()
+                or not (np.diff(dst) == n).all()):
+            return False
+        for pool in (self.device_pool, self.host_pool):
+            if pool is None or not pool.numel() or pool.numel() % n:
+                continue
+            s = src - pool.data_ptr()
+            if s.min() < 0 or s.max() + n > pool.numel() or (s % n).any():
+                continue
+            rows = slab.view(-1)[d0:d0 + count * n].view(count, n)
+            torch.index_select(pool.view(-1, n), 0, torch.from_numpy(s // n), out=rows)
+            return True
+        return False
+
+    def writable_directly(self, table: GatherRuns) -> bool:
         """Whether a gather's sources may be written to a peer straight from the store:
         host caches (both tiers are host memory), or every source in the device tier
         (the memory kind of the slabs)."""

@@ -268,7 +268,7 @@ class Source:
                     plan = replace(plan, wire_bytes=sum(table[2]))
                     event = None
                 else:
-                    event = store.run(table)
+                    event = store.run(table, self.slabs[send].tensor)
             if event is not None:  # NIXL does not order against CUDA streams
                 event.synchronize()
             digest = (payload_digest(self.slabs[send].tensor, load.payload)

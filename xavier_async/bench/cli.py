@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real loads for the memory-growth check over loads (default 10000)")
     b.add_argument("--no-descriptors", dest="descriptors", action="store_false",
                    help="skip the packed-vs-descriptor-path section (raw NIXL, two processes)")
+    b.add_argument("--no-protocol-floor", dest="protocol_floor", action="store_false",
+                   help="skip the plain-Python protocol floor (two bare NIXL processes: request, "
+                        "WRITE with its notification, one-copy gather and scatter) that the load "
+                        "rows are compared with")
     snapshot = b.add_mutually_exclusive_group()
     snapshot.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                           help="skip the snapshot-store section (a loader and three sources over "
@@ -190,6 +194,7 @@ def _bench(args: argparse.Namespace) -> int:
                             trace_batches=args.trace_batches, trace_large=args.trace_large,
                             alloc_copies=args.alloc_copies, alloc_loads=args.alloc_loads,
                             descriptors=args.descriptors, snapshot=args.snapshot,
+                            protocol_floor=args.protocol_floor,
                             seed=args.seed, quick=args.quick,
                             pin_cpus=args.pin, compare=args.compare, serving=args.serving,
                             serving_topology=args.serving_topology,
@@ -219,6 +224,8 @@ def _bench(args: argparse.Namespace) -> int:
         return _only_snapshot(args, opts, console)
     sections = ["floor", "seed cases", "end-to-end loads", "trace replay", "trace as loads",
                 "decision cost", "memory growth", "memory over loads"]
+    if opts.protocol_floor and opts.transport == "nixl":
+        sections.append("protocol floor")
     if opts.descriptors and opts.transport == "nixl":
         sections.append("descriptor path")
     if opts.snapshot and opts.transport == "nixl":
@@ -384,6 +391,9 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
          f"{r['memory']['device_growth_bytes']} B{loads_note}", target_rows,
          ["target", "value", "limit", ""]),
     ]
+    pf = r.get("protocol_floor")
+    if pf is not None:
+        tables.insert(3, _protocol_floor_rows(e2e, pf, fl))
     d = r.get("descriptors")
     if d is not None:
         from .descriptors import HEADER, print_descriptors
@@ -419,6 +429,28 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
         from .serving import serving_tables
         tables.extend(serving_tables(r["serving"]))
     return tables
+
+
+def _protocol_floor_rows(e2e: dict[str, Any], pf: dict[str, Any], fl: dict[str, Any],
+                         ) -> tuple[str, list[list[str]], list[str]]:
+    """Each load row beside the plain-Python protocol floor of its shape (issue 24)."""
+    if "error" in pf:
+        return ("Loads vs the plain-Python protocol floor (did not run)", [[pf["error"]]], ["error"])
+    rows = []
+    for name, f in pf.items():
+        load = e2e.get(name)
+        raw = fl["full" if name == "large" else "small"]["median_us"]
+        lp = None if load is None else load["median_us"]
+        rows.append([name, f"{f['bytes'] / KiB:.0f} KiB", f"{raw:.1f}", f"{f['notify']['median_us']:.1f}",
+                     f"{f['asyncio']['median_us']:.1f}", f"{f['gather']['median_us']:.1f}",
+                     "-" if lp is None else f"{lp:.1f}",
+                     "-" if lp is None else f"{lp / f['gather']['median_us']:.2f}x",
+                     "-" if lp is None else f"{lp / raw:.2f}x", "yes" if f["bytes_ok"] else "NO"])
+    return ("Loads vs the plain-Python protocol floor (p50 us; two bare NIXL processes, no library: "
+            "request notification, pre-made WRITE carrying the done notification, checked to DONE, "
+            "polled; +gather/scatter: one strided copy each side; raw: the WRITE floor above)",
+            rows, ["load", "payload", "raw WRITE", "request+WRITE+notify", "same on asyncio",
+                   "+gather/scatter (floor)", "Endpoint.load", "load/floor", "load/raw", "bytes ok"])
 
 
 def _stage_rows(e2e: dict[str, Any], tl: dict[str, Any] | None, small_floor: float,

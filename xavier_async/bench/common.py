@@ -45,6 +45,8 @@ class BenchOptions:
     alloc_loads: int = 10_000
     #: run the packed-vs-descriptor section (NIXL transport only)
     descriptors: bool = True
+    #: run the plain-Python protocol floor (:mod:`.protocol_floor`; NIXL transport only)
+    protocol_floor: bool = True
     #: run the snapshot-store section (:mod:`.snapshots`; NIXL transport only)
     snapshot: bool = True
     seed: int = 0

@@ -625,6 +625,18 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         return res
 
     res: dict[str, Any] = await _with_rig(o, body)
+    if o.protocol_floor and o.transport == "nixl":
+        # its own two bare NIXL processes, after our rig is closed (a quiet machine)
+        from .protocol_floor import protocol_floor
+        report("protocol floor")
+        layout = bench_layout(o.full_bytes)
+        try:
+            res["protocol_floor"] = await anyio.to_thread.run_sync(
+                lambda: protocol_floor(layout, o.full_bytes, device, iters=max(20, o.loads),
+                                       warmup=min(o.warmup, 20), seed=o.seed))
+        except Exception as exc:  # reported beside the loads; the other sections stand
+            res["protocol_floor"] = {"error": f"{type(exc).__name__}: {exc}"}
+        res["targets"].update(protocol_targets(res))
     if o.descriptors and o.transport == "nixl":
         # its own two processes, after our rig is closed (a quiet machine)
         from .descriptors import run_descriptors
@@ -699,4 +711,20 @@ def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
         out["load_memory_rss_bytes"] = t(max(ml["rss_growth_bytes"], 0), 0)
     if r["environment"].get("device") == "cuda":
         out["e2e_small_load_us"] = t(r["e2e_loads"]["small"]["median_us"], 150.0)
+    return out
+
+
+def protocol_targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Issue 24's load targets against the plain-Python protocol floor and the raw WRITE
+    floors of the same run (none when the floor did not run)."""
+    pf, e2e, fl = r.get("protocol_floor") or {}, r["e2e_loads"], r["floor"]
+    if "error" in pf or "small" not in pf:
+        return {}
+    small, full = fl["small"]["median_us"], fl["full"]["median_us"]
+    out = {"load_small_vs_protocol_floor": target(e2e["small"]["median_us"] /
+                                                  pf["small"]["gather"]["median_us"], 1.2),
+           "load_small_vs_raw_small": target(e2e["small"]["median_us"] / small, 4.0),
+           "load_one_layer_vs_raw_small": target(e2e["small_one_layer"]["median_us"] / small, 3.0)}
+    large_limit = 1.5 if r["environment"].get("device") == "cuda" else 1.2
+    out["load_large_vs_raw_full"] = target(e2e["large"]["median_us"] / full, large_limit)
     return out
