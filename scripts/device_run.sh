@@ -39,6 +39,8 @@ for step in $steps; do case $step in
   demo) # the demo as a serving engine: BF16 Qwen2.5-0.5B shape, 16 in flight, three columns and
         # the break-even sweep; with one GPU every replica shares cuda:0 (the output says so)
         timeout 560 python3 -m xavier_async.bench demo --device cuda --json "$OUT/demo_cuda.json" --plot "$OUT/demo_cuda.png" 2>&1 | tee "$OUT/demo_cuda.txt" ;;
+  bench-quick) # the load rows beside the plain-Python protocol floor, with every stage (quick counts)
+        timeout 300 python3 -m xavier_async.bench bench --quick --no-serving --no-snapshot --no-descriptors --device cuda --json "$OUT/bench_quick_cuda.json" 2>&1 | tee "$OUT/bench_quick_cuda.txt" ;;
   demo-step) # one engine step of the demo's model, three shapes, and the profiler's busiest operators
         timeout 300 python3 scripts/demo_step_timing.py cuda 2>&1 | tee "$OUT/demo_step.txt" ;;
   protocol-floor) # the plain-Python protocol floor alone (the bench runs it beside its loads)
