@@ -23,6 +23,7 @@ FULL, SMALL = 2 << 20, 64 << 10
 def report(tmp_path_factory):
     stdout, report = run_bench_cli(tmp_path_factory.mktemp("bench"))
     assert "Seed cases" in stdout and "Targets" in stdout
+    assert "Loads vs the plain-Python protocol floor" in stdout
     # quiet by default: the output starts with the bench's own header, no NIXL INFO lines
     # (from this process or the peer process it starts)
     assert stdout.lstrip().startswith("xavier-async "), stdout[:300]
@@ -51,7 +52,7 @@ def test_the_command_line_keeps_nixl_quiet_unless_verbose(monkeypatch):
 def test_json_has_every_section_and_environment(report):
     for key in ("options", "environment", "floor", "seed_cases", "e2e_loads", "trace", "decision",
                 "memory", "memory_loads", "descriptors", "floor_after", "metrics", "peer_metrics",
-                "targets", "serving", "snapshot"):
+                "targets", "serving", "snapshot", "protocol_floor"):
         assert key in report, key
     env = report["environment"]
     assert env["transport"] == "nixl" and env["memory"] == "DRAM" and env["device"] == "cpu"
@@ -480,6 +481,23 @@ def test_the_snapshot_section_runs_inside_the_quick_bench(report):
     assert s["bytes_verified"] and s["blocks_checked"] > 0 and s["as_predicted"]
     assert set(s["registrations_after_warmup"].values()) == {0}
     assert s["direct_write_regions"] == s["pool_paths"]["rule"]["max_regions"]
+
+
+def test_the_protocol_floor_moves_the_load_rows_shapes_and_checks_its_bytes(report):
+    """Issue 24's floor: two bare NIXL processes, the load rows' shapes, every mode timed,
+    the gathered bytes checked; the targets against it are in the targets table."""
+    pf, e2e = report["protocol_floor"], report["e2e_loads"]
+    assert "error" not in pf, pf.get("error")
+    assert set(pf) == set(e2e)
+    for name, row in pf.items():
+        assert row["bytes_ok"], name
+        assert row["bytes"] == e2e[name]["payload_bytes"], name
+        for mode in ("notify", "asyncio", "gather"):
+            assert row[mode]["n"] >= 10 and row[mode]["median_us"] > 0, (name, mode)
+    for key in ("load_small_vs_protocol_floor", "load_small_vs_raw_small",
+                "load_one_layer_vs_raw_small", "load_large_vs_raw_full"):
+        t = report["targets"][key]
+        assert t["value"] > 0 and t["met"] == (t["value"] <= t["limit"]), key
 
 
 def test_options_are_validated():
