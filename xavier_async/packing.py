@@ -359,6 +359,21 @@ class DeviceRuns:
         #: the current stream last seen: (raw handle, torch stream)
         self._current: tuple[int, Any] | None = None
 
+    def warm_up(self) -> None:
+        """Compile the kernel's variants now (16-byte rows and any rows), each launched
+        twice so the direct route is taken too: otherwise the first pack or unpack of
+        each kind waits for Triton's compiler (about a second on an H200 host, longer
+        than the load it serves), and so does everything else holding the GIL."""
+        if not self._cuda:
+            return
+        with torch.cuda.device(self.device):
+            buf = torch.zeros(4096, dtype=torch.uint8, device=self.device)
+            p = buf.data_ptr()
+            for n in (64, 3, 64, 3):
+                ev = self.run(([p + 2048], [p], [n]))
+                if ev is not None:
+                    ev.synchronize()
+
     def _table(self, i: int, rows: int) -> torch.Tensor:
         """Buffer ``i`` with room for ``rows`` rows, its last reader done."""
         ev = self._events[i]

@@ -60,7 +60,9 @@ class Caches:
         """On CUDA, make the fused launcher (no Triton: the tensor path); idempotent."""
         if self.layout.device.type == "cuda" and self.device_runs is None:
             try:
-                self.device_runs = DeviceRuns(self.layout.device)
+                runs = DeviceRuns(self.layout.device)
+                runs.warm_up()  # compile at start, not on the first load
+                self.device_runs = runs
             except Exception:
                 log.info("fused pack/unpack unavailable; using tensor copies", exc_info=True)
 
