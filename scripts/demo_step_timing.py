@@ -20,6 +20,9 @@ def main(device: str) -> None:
     shape = QWEN25_05B if device == "cuda" else SMALL
     dev = torch.device(device)
     slots = 4096
+    if dev.type == "cuda":
+        from xavier_async.demo.replica import deterministic_cuda
+        deterministic_cuda()  # as the replicas set the device up
     model = PagedModel(shape, 0, dev, slots)
     per_req = 160  # blocks a request may reach (2,560 positions)
 

@@ -305,6 +305,10 @@ def deterministic_cuda() -> None:
     the first cuBLAS call of the process. (Batched steps still change shapes run to run,
     so BF16 answers are compared with a tolerance.)"""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # cuDNN's attention builds an execution plan per new shape, and a batched engine's
+    # steps are new shapes all the time (chunk lengths, block counts): the memory-
+    # efficient kernel takes any shape and mask without a plan
+    torch.backends.cuda.enable_cudnn_sdp(False)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
 
