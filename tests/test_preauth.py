@@ -192,3 +192,31 @@ def test_preauth_settings_are_validated():
             NixlTransport(**kwargs)
     # a per-host cap above the total is the total
     assert NixlTransport(max_unauthenticated=4).max_unauthenticated_per_host == 4
+
+
+async def test_a_connect_whose_deadline_falls_in_a_retry_after_busy_says_busy():
+    """The peer said "busy", and the retry that followed got no answer before the connect
+    timeout: the error is the busy one (what the peer said), not an opaque timeout. A fake
+    listener refuses the first connection as busy and holds the second silently."""
+    held: list[SocketStream] = []
+
+    async def handle(stream: SocketStream) -> None:
+        if not held and not getattr(handle, "refused", False):
+            handle.refused = True  # type: ignore[attr-defined]
+            await stream.send(_frame({"error": "all pre-authentication slots are taken",
+                                      "kind": "busy"}))
+            await stream.aclose()
+            return
+        held.append(stream)  # silent until the test ends
+        await anyio.sleep_forever()
+
+    async with _endpoint(1) as b, await anyio.create_tcp_listener(local_host="127.0.0.1") as lst:
+        port = lst.extra(anyio.abc.SocketAttribute.local_port)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lst.serve, handle)
+            with anyio.fail_after(GUARD), pytest.raises(HandshakeError) as info:
+                await b.connect(f"127.0.0.1:{port}", timeout=1.0)
+            tg.cancel_scope.cancel()
+    assert info.value.reason == "busy", info.value
+    assert "stayed busy" in str(info.value)
+    assert held  # the retry did reach the listener

@@ -268,18 +268,26 @@ class Peering:
         host, port = parse_address(address)
         deadline = anyio.current_time() + limit
         pause = 0.01
+        turned_away: HandshakeError | None = None  # the last "busy" refusal, if any
+
+        def stayed_busy(exc: HandshakeError) -> HandshakeError:
+            return HandshakeError(
+                f"the peer at {address} stayed busy for the whole {limit:g} s connect "
+                f"timeout ({exc}): it may be under a connection flood; try again later, "
+                "or raise its max_unauthenticated", reason=BUSY)
         while True:
             try:
                 return await self._connect_once(address, host, port, deadline)
             except HandshakeError as exc:
+                if exc.reason == "timeout" and turned_away is not None:
+                    # the deadline fell in a retry: what the peer said was "busy"
+                    raise stayed_busy(turned_away) from exc
                 if exc.reason != BUSY:
                     raise
+                turned_away = exc
                 left = deadline - anyio.current_time()
                 if left <= pause:
-                    raise HandshakeError(
-                        f"the peer at {address} stayed busy for the whole {limit:g} s connect "
-                        f"timeout ({exc}): it may be under a connection flood; try again later, "
-                        "or raise its max_unauthenticated", reason=BUSY) from exc
+                    raise stayed_busy(exc) from exc
                 log.debug("%s is busy, trying again: %s", address, exc)
                 await anyio.sleep(pause * (0.5 + random.random()))
                 pause = min(pause * 2, 0.2)
