@@ -136,7 +136,7 @@ async def test_a_connection_turned_away_is_told_busy_and_connect_says_why():
             assert len(got) == 1 and got[0]["kind"] == "busy", got
             assert "max_unauthenticated=1" in got[0]["error"]
             with pytest.raises(HandshakeError) as info:
-                await b.connect(a.address, timeout=0.5)
+                await b.connect(a.address, timeout=2.0)
             assert info.value.reason == "busy"
             assert "busy" in str(info.value) and "IncompleteRead" not in str(info.value)
             assert b.peers == () and t.refused_connections >= 2
