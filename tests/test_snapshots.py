@@ -372,3 +372,23 @@ async def test_a_host_gather_of_many_rows_moves_the_bytes_memmoves_would(tiers):
         run_host(table_slow)
         assert torch.equal(fast, slow) and fast.any()
         assert store._gather_rows((table[0][:8], table[1][:8], table[2][:8]), fast) is False
+
+
+async def test_a_large_batch_under_a_high_direct_write_cap_lands_exactly():
+    """A batch of 16 hashes (one copy: the slab holds all 48 KiB) is laid out by numpy,
+    one run per block and layer (48): with ``direct_write_regions`` above that it is
+    written straight from the store, and with it below, gathered; the bytes are the
+    published ones both ways."""
+    src = _caches(12)
+    keys = list(range(16))
+    for regions, direct in ((64, 1), (8, 0)):
+        cfg = EndpointConfig(full_bytes=64 * KiB, small_bytes=2 * KiB, direct_write_regions=regions,
+                             snapshot_gpu_bytes=16 * LAYERS * BLOCK, snapshot_cpu_bytes=0)
+        async with cluster([_zeros(), src], cfg) as (a, b):
+            snap = {k: {layer: src[layer][k].clone() for layer in range(LAYERS)} for k in keys}
+            await b.publish_blocks(keys, keys)
+            before = b._source.direct_writes
+            await a.load({1: {layer: {k: k + 16 for k in keys} for layer in range(LAYERS)}})
+            assert b._source.direct_writes - before == direct
+            for k in keys:
+                _expect(snap, k, k + 16, a.caches)

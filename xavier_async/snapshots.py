@@ -381,8 +381,8 @@ class SnapshotStore:
                 chunks.append((np.array(dst, np.int64), np.array(src, np.int64),
                                np.array(ns, np.int64)))
             cat = [np.concatenate([c[i] for c in chunks]) for i in range(3)]
-            # the device path and the memmoves take Python ints; the host gather numpy
-            table = (cat[0], cat[1], cat[2]) if self._runs is None and self._host_rows else (
+            # the host gather takes numpy; the device launcher gets Python ints, as always
+            table = (cat[0], cat[1], cat[2]) if self._runs is None else (
                 cat[0].tolist(), cat[1].tolist(), cat[2].tolist())
         return leased, (total - host, host), table
 
@@ -399,10 +399,6 @@ class SnapshotStore:
             return None
         return self._runs.run(table)
 
-    #: whether a host gather of many rows is one ``index_select`` (tests turn it off to
-    #: compare with the memmoves)
-    _host_rows = True
-
     #: from this many runs a host gather is worth one ``index_select`` (a Python memmove
     #: per run costs about as much as moving its 8 KiB)
     ROWS_FROM = 32
@@ -413,7 +409,7 @@ class SnapshotStore:
         ``index_select`` of pool rows into the slab, instead of a memmove per run.
         False (nothing copied) when the runs do not have that shape."""
         count = len(table[2])
-        if not self._host_rows or count < self.ROWS_FROM:
+        if count < self.ROWS_FROM:
             return False
         dst, src, ns = (np.asarray(x, dtype=np.int64) for x in table)
         n = int(ns[0])

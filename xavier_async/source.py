@@ -264,8 +264,8 @@ class Source:
                 if (self._direct and not load.verify and len(table[2]) <= self._direct_max
                         and store.writable_directly(table)):
                     # few regions: written straight from the store, nothing gathered
-                    regions = tuple((s, d - rows.ptr, n) for d, s, n in zip(*table))
-                    plan = replace(plan, wire_bytes=sum(table[2]))
+                    regions = tuple((int(s), int(d) - rows.ptr, int(n)) for d, s, n in zip(*table))
+                    plan = replace(plan, wire_bytes=sum(n for _, _, n in regions))
                     event = None
                 else:
                     event = store.run(table, self.slabs[send].tensor)

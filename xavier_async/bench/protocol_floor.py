@@ -27,14 +27,14 @@ import asyncio
 import multiprocessing as mp
 import struct
 import time
-from functools import partial
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..testing.devices import peer_device
-from ..testing.peer_process import DTYPES, LayoutSpec
+from ..testing.peer_process import LayoutSpec
 from .common import stats
 
 #: mode, shape index, sequence number
@@ -228,8 +228,6 @@ def protocol_floor(layout: LayoutSpec, full_bytes: int, device: str, iters: int,
     """Per shape (the load rows' names): p50/p95/mean of each mode, the shape's bytes, and
     whether the gathered bytes were right. Runs its own two processes (call it with no
     other bench process polling)."""
-    if DTYPES.get(layout.dtype) is None:
-        raise ValueError(f"unknown dtype {layout.dtype!r}")
     shapes = floor_shapes(layout, full_bytes)
     wanted = list(names or shapes)
     loader = _Loader(device, layout, full_bytes, seed)
@@ -251,9 +249,6 @@ def protocol_floor(layout: LayoutSpec, full_bytes: int, device: str, iters: int,
         loader.close()
 
 
-__all__ = ["protocol_floor", "floor_shapes", "MODES"]
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -c 'from xavier_async.bench.protocol_floor import main; main()' [cpu|cuda]``:
     the floor alone, for the bench's default layout (12 MiB slab, 24 layers of 8 KiB)."""
@@ -269,3 +264,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{name:16s} {row['bytes'] / 1024:8.0f} KiB  " +
               "  ".join(f"{m} {row[m]['median_us']:9.1f}" for m in MODES) +
               f"  bytes {'ok' if row['bytes_ok'] else 'WRONG'}")
+
+
+__all__ = ["protocol_floor", "floor_shapes", "main", "MODES"]
