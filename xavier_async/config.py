@@ -103,8 +103,12 @@ class EndpointConfig:
     receive slab, with no gather into a send slab (no source kernel); anything else is
     gathered with one pass, then written. A direct write moves
     exactly the payload (as ``trimmed`` does), whatever view the channel's machine chose.
-    0 (the default): always gather. Where the crossover lies (a descriptor's cost against
-    a gather's, measured by ``xavier-async bench``): docs/concepts.md.
+    0 (the default): always gather, the right choice on DRAM, where a direct write with
+    a new transfer handle loses to the gather already at one region. On a GPU set 2-4:
+    on an H200 the direct write took 0.62x of the gather at one region and broke even at
+    four, and the one-hash serve's ``pack`` + ``post_to_done`` fell to 0.71x of the live
+    slots'. ``xavier-async bench --only-snapshot`` prints the rule for the machine it runs
+    on (docs/benchmarks.md).
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
