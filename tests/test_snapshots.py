@@ -392,3 +392,23 @@ async def test_a_large_batch_under_a_high_direct_write_cap_lands_exactly():
             assert b._source.direct_writes - before == direct
             for k in keys:
                 _expect(snap, k, k + 16, a.caches)
+
+
+async def test_direct_write_regions_defaults_by_the_caches_memory():
+    """Left to the default, a source on host memory always gathers (a direct write loses
+    there at one region), one on a GPU writes up to GPU_DIRECT_WRITE_REGIONS regions
+    straight from the store; a value given is used as given, and a bad one refused."""
+    from xavier_async.config import GPU_DIRECT_WRITE_REGIONS, direct_write_regions_for
+
+    assert EndpointConfig().direct_write_regions is None
+    assert direct_write_regions_for(None, "cpu") == 0
+    assert direct_write_regions_for(None, "cuda") == GPU_DIRECT_WRITE_REGIONS == 2
+    assert direct_write_regions_for(5, "cpu") == direct_write_regions_for(5, "cuda") == 5
+    with pytest.raises(InvalidRequestError):
+        EndpointConfig(direct_write_regions=-1)
+    src = _caches(13)
+    async with cluster([_zeros(), src], _cfg(8, 8)) as (a, b):   # the default, on the CPU
+        await b.publish_blocks([0], [0])
+        await a.load({1: _all_layers(0, 10)})
+        assert b._source.direct_writes == 0
+        _expect({0: {layer: src[layer][0] for layer in range(LAYERS)}}, 0, 10, a.caches)

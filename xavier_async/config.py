@@ -13,6 +13,16 @@ from .sizes import DEFAULT_FULL_BYTES, MiB, SlabSizes
 
 #: the host tier's default when none is given: this much, at most an eighth of the host
 DEFAULT_HOST_TIER_BYTES = 1 << 30
+#: ``direct_write_regions`` when it is left to the default and the caches are on a GPU
+GPU_DIRECT_WRITE_REGIONS = 2
+
+
+def direct_write_regions_for(value: int | None, device_type: str) -> int:
+    """``EndpointConfig.direct_write_regions`` as the source applies it to caches on
+    ``device_type`` (``"cpu"``, ``"cuda"``): ``None`` picks what the figures support there."""
+    if value is not None:
+        return value
+    return GPU_DIRECT_WRITE_REGIONS if device_type == "cuda" else 0
 
 
 def default_host_tier_bytes() -> int:
@@ -103,12 +113,13 @@ class EndpointConfig:
     receive slab, with no gather into a send slab (no source kernel); anything else is
     gathered with one pass, then written. A direct write moves
     exactly the payload (as ``trimmed`` does), whatever view the channel's machine chose.
-    0 (the default): always gather, the right choice on DRAM, where a direct write with
-    a new transfer handle loses to the gather already at one region. On a GPU set 2-4:
-    on an H200 the direct write took 0.62x of the gather at one region and broke even at
-    four, and the one-hash serve's ``pack`` + ``post_to_done`` fell to 0.71x of the live
-    slots'. ``xavier-async bench --only-snapshot`` prints the rule for the machine it runs
-    on (docs/benchmarks.md).
+    0: always gather. ``None`` (the default): 0 when the caches are host memory, where a
+    direct write with a new transfer handle loses to the gather already at one region;
+    :data:`GPU_DIRECT_WRITE_REGIONS` (2) when they are on a GPU, where on an H200 the
+    direct write took 0.62x of the gather at one region and broke even at two to four
+    (two runs), and the one-hash serve's ``pack`` + ``post_to_done`` fell to 0.71x of the
+    live slots'. ``xavier-async bench --only-snapshot`` prints the rule for the machine it
+    runs on (docs/benchmarks.md).
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -128,7 +139,7 @@ class EndpointConfig:
     small_round_trips: int | None = None
     snapshot_gpu_bytes: int = 256 * MiB
     snapshot_cpu_bytes: int | None = None
-    direct_write_regions: int = 0
+    direct_write_regions: int | None = None
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -159,8 +170,9 @@ class EndpointConfig:
             "snapshot_gpu_bytes", self.snapshot_gpu_bytes, minimum=0))
         host = default_host_tier_bytes() if self.snapshot_cpu_bytes is None else self.snapshot_cpu_bytes
         object.__setattr__(self, "snapshot_cpu_bytes", check_int("snapshot_cpu_bytes", host, minimum=0))
-        object.__setattr__(self, "direct_write_regions", check_int(
-            "direct_write_regions", self.direct_write_regions, minimum=0, maximum=4096))
+        if self.direct_write_regions is not None:
+            object.__setattr__(self, "direct_write_regions", check_int(
+                "direct_write_regions", self.direct_write_regions, minimum=0, maximum=4096))
         check_size("trim_align", self.trim_align)
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         if not isinstance(self.retry, RetryPolicy):
@@ -183,4 +195,5 @@ class LoadResult:
     host_tier_blocks: int = 0
 
 
-__all__ = ["EndpointConfig", "LoadResult", "default_host_tier_bytes"]
+__all__ = ["EndpointConfig", "LoadResult", "default_host_tier_bytes", "GPU_DIRECT_WRITE_REGIONS",
+           "direct_write_regions_for"]

@@ -24,6 +24,7 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .channel import CopyPlan, PeerChannel
+from .config import direct_write_regions_for
 from .errors import (EndpointClosedError, InternalError, InvalidRequestError, PeerLostError,
                      TransferError, XavierError)
 from .fairpool import FairPool, Ticket
@@ -72,8 +73,10 @@ class Source:
         #: per send slab in use: the store slots its copy reads (leased until terminal)
         self._leased: dict[int, tuple[int, ...]] = {}
         #: serves from the store of at most this many regions are written straight from it
-        self._direct_max = cfg.direct_write_regions
-        self._direct = bool(cfg.direct_write_regions) and rt.transport.direct_writes
+        # the default (None): what the figures support for the caches' memory
+        regions = direct_write_regions_for(cfg.direct_write_regions, layout.device.type)
+        self._direct_max = regions
+        self._direct = bool(regions) and rt.transport.direct_writes
         #: serves written straight from the store (no gather)
         self.direct_writes = 0
         #: the store's tiers (allocated now, so that blocks can be published before start;
