@@ -18,7 +18,7 @@ index list can never turn into floats.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from typing import Any
 
@@ -189,6 +189,24 @@ class CacheTable:
 
 #: a run table: three parallel lists, ``dst[i] <- src[i]`` for ``n[i]`` bytes (addresses)
 RunTable = tuple[list[int], list[int], list[int]]
+
+
+def merged_runs(copies: Iterable[tuple[int, int, int]]) -> RunTable:
+    """A run table from ``(dst, src, nbytes)`` copies in order, each merged into the one
+    before it when it continues that one in both places."""
+    dst: list[int] = []
+    src: list[int] = []
+    ns: list[int] = []
+    end_d = end_s = -1  # where the last run ends, in both places
+    for d, s, n in copies:
+        if d == end_d and s == end_s:
+            ns[-1] += n
+        else:
+            dst.append(d)
+            src.append(s)
+            ns.append(n)
+        end_d, end_s = d + n, s + n
+    return dst, src, ns
 
 
 def _slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -20,7 +20,7 @@ and admission are :mod:`xavier_async.snapshot_index`'s; this module does the cop
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
@@ -31,7 +31,7 @@ import torch
 
 from .errors import InvalidRequestError
 from .layout import BlockKey, CacheLayout, LayerId
-from .packing import DeviceRuns, RunTable, SlabRows, run_host
+from .packing import DeviceRuns, RunTable, SlabRows, merged_runs, run_host
 from .planning import Segment
 from .snapshot_index import DEVICE, HOST, Admission, SnapshotIndex
 
@@ -76,24 +76,15 @@ class StoreTable:
         """The runs copying each segment's blocks (global store slots ``slot_lists``) into
         a slab at ``slab_ptr``; a run that continues the previous one in both places is
         merged with it (one block hash over every layer is one run)."""
-        dst: list[int] = []
-        src: list[int] = []
-        ns: list[int] = []
         split, stride = self.split, self.stride
-        dev_base, host_base = self.device_base, self.host_base
-        for seg, slots in zip(segments, slot_lists):
-            bn, p = seg.block_nbytes, slab_ptr + seg.offset
-            db, hb = dev_base[seg.layer], host_base[seg.layer]
-            for row, slot in enumerate(slots):
-                d = p + row * bn
-                s = (db if slot < split else hb) + slot * stride
-                if ns and dst[-1] + ns[-1] == d and src[-1] + ns[-1] == s:
-                    ns[-1] += bn
-                else:
-                    dst.append(d)
-                    src.append(s)
-                    ns.append(bn)
-        return dst, src, ns
+
+        def copies() -> Iterator[tuple[int, int, int]]:
+            for seg, slots in zip(segments, slot_lists):
+                bn, p = seg.block_nbytes, slab_ptr + seg.offset
+                db, hb = self.device_base[seg.layer], self.host_base[seg.layer]
+                for row, slot in enumerate(slots):
+                    yield p + row * bn, (db if slot < split else hb) + slot * stride, bn
+        return merged_runs(copies())
 
 
 class SnapshotStore:
@@ -254,20 +245,12 @@ class SnapshotStore:
         """The runs copying each placed block's layers from the engine's slots into its
         store slot (consecutive engine slots into consecutive store slots, one layer at a
         time, merge)."""
-        dst: list[int] = []
-        src: list[int] = []
-        ns: list[int] = []
-        for layer, rows in self._rows.items():
-            bn, off, base = rows.shape[1], self.offsets[layer], rows.data_ptr()
-            for key, slot in plan.place.items():
-                d, s = self._addr(slot) + off, base + engine_slot[key] * bn
-                if ns and dst[-1] + ns[-1] == d and src[-1] + ns[-1] == s:
-                    ns[-1] += bn
-                else:
-                    dst.append(d)
-                    src.append(s)
-                    ns.append(bn)
-        return dst, src, ns
+        def copies() -> Iterator[tuple[int, int, int]]:
+            for layer, rows in self._rows.items():
+                bn, off, base = rows.shape[1], self.offsets[layer], rows.data_ptr()
+                for key, slot in plan.place.items():
+                    yield self._addr(slot) + off, base + engine_slot[key] * bn, bn
+        return merged_runs(copies())
 
     def _copy_now(self, table: RunTable) -> None:
         if not table[2]:
@@ -334,6 +317,8 @@ class SnapshotStore:
         read: set[int] = set()
         host = total = 0
         prev = prev_slots = None
+        # the runs merge as merged_runs merges them, inline here: this is the hot path,
+        # and tests/test_snapshots.py checks the result against StoreTable.pack_table
         end_d = end_s = -1  # where the last run ends, in the slab and in the store
         for (layer, keys, offset, bn, _), slots in zip(segments, slot_lists):
             if keys is not prev:

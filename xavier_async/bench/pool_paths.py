@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from ..layout import CacheLayout, LayerId
-from ..packing import DeviceRuns, RunTable, run_host
+from ..packing import DeviceRuns, RunTable, merged_runs, run_host
 from ..planning import Planner
 from ..snapshots import StoreTable
 from ..testing.devices import gpu_facts, peer_device
@@ -166,18 +166,8 @@ class PoolSource:
             base, b, slab = self.pool.data_ptr(), self.block, self.slab_ptr
 
             def blocks() -> RunTable:
-                dst: list[int] = []
-                src: list[int] = []
-                ns: list[int] = []
-                for i, slot in enumerate(shape.slots):
-                    d, s = slab + i * b, base + slot * b
-                    if ns and dst[-1] + ns[-1] == d and src[-1] + ns[-1] == s:
-                        ns[-1] += b
-                    else:
-                        dst.append(d)
-                        src.append(s)
-                        ns.append(b)
-                return dst, src, ns
+                return merged_runs((slab + i * b, base + slot * b, b)
+                                   for i, slot in enumerate(shape.slots))
             return blocks
         req = {1: {layer: {s: s for s in shape.slots} for layer in shape.layers}}
         batches = self.planner.plan(req)
