@@ -169,6 +169,16 @@ def _peer_main(conn: Any, nbytes: int, device: str, layers: int, num_slots: int,
         conn.send(True)
 
 
+def transfer_to_done(agent: Any, h: Any) -> None:
+    """Post the prepared transfer ``h`` and check it until it is terminal (anything but
+    DONE raises)."""
+    state = agent.transfer(h)
+    while state == "PROC":
+        state = agent.check_xfer_state(h)
+    if state != "DONE":
+        raise RuntimeError(f"NIXL transfer failed: {state}")
+
+
 class _Peer:
     def __init__(self, nbytes: int, device: str, layout: LayoutSpec) -> None:
         ctx = mp.get_context("spawn")
@@ -282,12 +292,7 @@ class Source:
                                   for layer in shape.layers]))
 
     def _wait(self, h: Any) -> None:
-        agent = self.agent
-        state = agent.transfer(h)
-        while state == "PROC":
-            state = agent.check_xfer_state(h)
-        if state != "DONE":
-            raise RuntimeError(f"NIXL transfer failed: {state}")
+        transfer_to_done(self.agent, h)
 
     def _packed_handle(self, nbytes: int) -> Any:
         h = self._handles.get(nbytes)

@@ -55,7 +55,7 @@ from ..snapshots import StoreTable
 from ..testing.devices import gpu_facts, peer_device
 from ..testing.peer_process import DTYPES, LayoutSpec, digest
 from .common import bench_layout, stats
-from .descriptors import _Peer
+from .descriptors import _Peer, transfer_to_done
 
 #: the paths timed per shape (``raw``: the floor, a WRITE of the same bytes, nothing gathered)
 POOL_PATHS = ("raw", "gather", "direct", "direct_cached")
@@ -190,12 +190,7 @@ class PoolSource:
 
     # -- the paths: each one transfer to DONE
     def _wait(self, h: Any) -> None:
-        agent = self.agent
-        state = agent.transfer(h)
-        while state == "PROC":
-            state = agent.check_xfer_state(h)
-        if state != "DONE":
-            raise RuntimeError(f"NIXL transfer failed: {state}")
+        transfer_to_done(self.agent, h)
 
     def _slab_handle(self, nbytes: int) -> Any:
         h = self._handles.get(nbytes)
