@@ -241,24 +241,32 @@ def _escaped(r: Report) -> str:
     return "".join(traceback.format_exception(r.escaped))[-3000:]
 
 
+def _assert_trusted(r, healthy: str) -> None:
+    """What both kill-and-freeze runs must show: no load from any source returned success
+    with wrong bytes, nothing escaped ``async with`` or hung (close included), every
+    failure typed, the healthy source(s) ``healthy`` really loaded from, and registrations
+    equal to the pools."""
+    print(_summary(r))
+    for name, out in (("the faulted sources", r.faulted), ("rank 3, one at a time", r.sequential),
+                      (f"{healthy}, concurrent", r.after)):
+        assert out.wrong == 0, (f"{out.wrong} loads from {name} returned success with wrong bytes "
+                                f"({out.first_wrong}); {_summary(r)}")
+    assert r.escaped is None, f"the endpoint raised out of `async with`:\n{_escaped(r)}"
+    assert not r.close_hung, _summary(r)
+    for name, out in (("the faulted sources", r.faulted), (healthy, r.sequential), (healthy, r.after)):
+        assert not out.untyped and not out.hung, f"{name}: {out}"
+    assert r.healthy_ok >= 100, _summary(r)    # the healthy source really was loaded from
+    assert r.registrations == (r.stats["send_slabs"] + r.stats["registered"]
+                               + r.stats["snapshot_tiers"]), _summary(r)
+
+
 async def test_finding1_a_healthy_source_never_returns_wrong_bytes_after_kill_and_freeze():
     """Finding 1: with several slabs fenced at once and their replacements registered
     concurrently, every load from the healthy rank 3 returns its exact bytes (or a typed
     error); registrations equal the pool."""
     r = await _kill_and_freeze(resume=False)
-    print(_summary(r))
-    for name, out in (("the faulted sources", r.faulted), ("rank 3, one at a time", r.sequential),
-                      ("rank 3, concurrent", r.after)):
-        assert out.wrong == 0, (f"{out.wrong} loads from {name} returned success with wrong bytes "
-                                f"({out.first_wrong}); {_summary(r)}")
-    assert r.escaped is None, f"the endpoint raised out of `async with`:\n{_escaped(r)}"
-    assert not r.close_hung, _summary(r)
+    _assert_trusted(r, "rank 3")
     assert r.faulted.failed, f"the faults hit no load: {_summary(r)}"   # the faults were real
-    for name, out in (("the faulted sources", r.faulted), ("rank 3", r.sequential), ("rank 3", r.after)):
-        assert not out.untyped and not out.hung, f"{name}: {out}"
-    assert r.healthy_ok >= 100, _summary(r)    # the healthy source really was loaded from
-    assert r.registrations == (r.stats["send_slabs"] + r.stats["registered"]
-                               + r.stats["snapshot_tiers"]), _summary(r)
 
 
 async def test_finding1_the_frozen_source_resumes_and_serves_its_stale_requests():
@@ -266,19 +274,7 @@ async def test_finding1_the_frozen_source_resumes_and_serves_its_stale_requests(
     up on it, serves its stale requests (no stall check), is reconnected and loaded from
     alongside rank 3: no load from either returns wrong bytes."""
     r = await _kill_and_freeze(resume=True, seed=1)
-    print(_summary(r))
-    for name, out in (("the faulted sources", r.faulted), ("rank 3, one at a time", r.sequential),
-                      ("ranks 2 and 3, concurrent", r.after)):
-        assert out.wrong == 0, (f"{out.wrong} loads from {name} returned success with wrong bytes "
-                                f"({out.first_wrong}); {_summary(r)}")
-    assert r.escaped is None, f"the endpoint raised out of `async with`:\n{_escaped(r)}"
-    assert not r.close_hung, _summary(r)
-    for name, out in (("the faulted sources", r.faulted), ("ranks 2 and 3", r.sequential),
-                      ("ranks 2 and 3", r.after)):
-        assert not out.untyped and not out.hung, f"{name}: {out}"
-    assert r.healthy_ok >= 100, _summary(r)
-    assert r.registrations == (r.stats["send_slabs"] + r.stats["registered"]
-                               + r.stats["snapshot_tiers"]), _summary(r)
+    _assert_trusted(r, "ranks 2 and 3")
 
 
 async def _wait_for(ep: Endpoint, stat: str, value: int, what: str) -> None:
