@@ -245,11 +245,13 @@ class SnapshotStore:
         """The runs copying each placed block's layers from the engine's slots into its
         store slot (consecutive engine slots into consecutive store slots, one layer at a
         time, merge)."""
+        at = [(self._addr(slot), engine_slot[key]) for key, slot in plan.place.items()]
+
         def copies() -> Iterator[tuple[int, int, int]]:
             for layer, rows in self._rows.items():
                 bn, off, base = rows.shape[1], self.offsets[layer], rows.data_ptr()
-                for key, slot in plan.place.items():
-                    yield self._addr(slot) + off, base + engine_slot[key] * bn, bn
+                for addr, engine in at:
+                    yield addr + off, base + engine * bn, bn
         return merged_runs(copies())
 
     def _copy_now(self, table: RunTable) -> None:
