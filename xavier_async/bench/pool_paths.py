@@ -9,8 +9,8 @@ two ways the engine's source serves a batch from the store (:meth:`Source._post
 <xavier_async.source.Source>`):
 
 * ``gather``: the run table from the store into the send slab
-  (:meth:`StoreTable.pack_table <xavier_async.snapshots.StoreTable.pack_table>`, the
-  engine's own), executed in one pass (memmoves on the CPU, one fused launch and its event
+  (:meth:`StoreTable.pack_table <xavier_async.snapshots.StoreTable.pack_table>`: the
+  runs the engine's ``SnapshotStore.serve`` lays out, a test holds them equal), executed in one pass (memmoves on the CPU, one fused launch and its event
   on CUDA), then ONE contiguous WRITE of the payload (a handle made once per size, as the
   transport keeps them);
 * ``direct``: the same table's runs as regions, written straight from the pool into the
@@ -160,7 +160,8 @@ class PoolSource:
     # -- the batch
     def run_table(self, shape: PoolShape) -> Callable[[], RunTable]:
         """A function computing the shape's run table from the pool into the send slab,
-        as the source does per serve (the engine's ``StoreTable.pack_table``; block-major:
+        as the source does per serve (``StoreTable.pack_table``, the runs of the engine's
+        ``SnapshotStore.serve``; block-major:
         whole blocks in slot order, consecutive ones merged by the same rule)."""
         if shape.block_major:
             base, b, slab = self.pool.data_ptr(), self.block, self.slab_ptr
