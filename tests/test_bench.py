@@ -23,7 +23,7 @@ FULL, SMALL = 2 << 20, 64 << 10
 def report(tmp_path_factory):
     stdout, report = run_bench_cli(tmp_path_factory.mktemp("bench"))
     assert "Seed cases" in stdout and "Targets" in stdout
-    assert "Loads vs the plain-Python protocol floor" in stdout
+    assert "Loads vs the plain-Python protocol floor" in stdout and "Load timeline" in stdout
     # quiet by default: the output starts with the bench's own header, no NIXL INFO lines
     # (from this process or the peer process it starts)
     assert stdout.lstrip().startswith("xavier-async "), stdout[:300]
@@ -488,16 +488,40 @@ def test_the_protocol_floor_moves_the_load_rows_shapes_and_checks_its_bytes(repo
     the gathered bytes checked; the targets against it are in the targets table."""
     pf, e2e = report["protocol_floor"], report["e2e_loads"]
     assert "error" not in pf, pf.get("error")
-    assert set(pf) == set(e2e)
+    assert set(pf) == set(e2e) - {"small_blocks"}  # (small_blocks: the small shape again)
+    assert e2e["small_blocks"]["payload_bytes"] == e2e["small"]["payload_bytes"]
+    assert e2e["small_blocks"]["bytes_verified"]
     for name, row in pf.items():
         assert row["bytes_ok"], name
         assert row["bytes"] == e2e[name]["payload_bytes"], name
         for mode in ("notify", "asyncio", "gather"):
             assert row[mode]["n"] >= 10 and row[mode]["median_us"] > 0, (name, mode)
-    for key in ("load_small_vs_protocol_floor", "load_small_vs_raw_small",
-                "load_one_layer_vs_raw_small", "load_large_vs_raw_full"):
+    for key in ("load_small_vs_protocol_floor", "load_blocks_small_vs_protocol_floor",
+                "load_small_vs_raw_small", "load_one_layer_vs_raw_small", "load_large_vs_raw_full"):
         t = report["targets"][key]
         assert t["value"] > 0 and t["met"] == (t["value"] <= t["limit"]), key
+
+
+def test_the_load_timeline_splits_each_sides_time(report):
+    """Issue 24's host time: one-hash loads with every stage marked in both processes;
+    each side's busy time is NIXL's calls, copies and Python, the stages the source runs
+    appear on its side, and the loaded bytes are checked."""
+    lt = report["load_timeline"]
+    assert "error" not in lt, lt.get("error")
+    for api in ("load", "load_blocks"):
+        row = lt[api]
+        assert row["bytes_verified"] and row["loads"] > 0, api
+        for side in ("receiver", "source"):
+            assert row[f"{side}.busy"] > 0 and row[f"{side}.nixl"] > 0, (api, side)
+            parts = row[f"{side}.nixl"] + row[f"{side}.copy"] + row[f"{side}.python"]
+            assert parts == pytest.approx(row[f"{side}.busy"], rel=0.5), (api, side)
+        for stage in ("source.decode", "source.parse", "source.lookup", "source.agent.transfer",
+                      "receiver.unpack", "receiver.agent.send_notif"):
+            assert row[stage] > 0, (api, stage)
+        assert row["load"] >= row["receiver.busy"], api
+    for key in ("host_python_us_receiver", "host_python_us_source"):
+        t = report["targets"][key]
+        assert t["limit"] == 15 and t["met"] == (t["value"] <= t["limit"]), key
 
 
 def test_options_are_validated():

@@ -19,7 +19,7 @@ from xavier_async.errors import PeerLostError, RegistrationError, TransferError,
 from xavier_async.layout import CacheLayout
 from xavier_async.planning import normalize, plan_batches
 from xavier_async.decision import NeedsMapping, ParsedLoad, Ready, Refuse, decide, parse_load
-from xavier_async.protocol import (ERROR_KINDS, PROTOCOL_VERSION, Error, Hello, Landed, Load, Probe,
+from xavier_async.protocol import (ERROR_KINDS, PROTOCOL_VERSION, BlockLoad, Error, Hello, Landed, Load, Probe,
                                    ProtocolError, RequestTable, check_hello, decode)
 from xavier_async.sizes import SlabSizes
 
@@ -40,12 +40,13 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=64))
 def test_decode_turns_any_bytes_into_a_message_or_a_protocol_error(data):
-    for msg in (data, b"XA" + data, b"XAL" + data, b"XAD" + data, b"XAE" + data, b"XAP" + data):
+    for msg in (data, b"XA" + data, b"XAL" + data, b"XAD" + data, b"XAE" + data, b"XAP" + data,
+                b"XAB" + data):
         try:
             out = decode(msg)
         except ProtocolError:
             continue
-        assert isinstance(out, (Load, Landed, Error, Probe))
+        assert isinstance(out, (Load, BlockLoad, Landed, Error, Probe))
 
 
 @settings(max_examples=300, deadline=None)

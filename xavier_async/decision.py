@@ -9,30 +9,57 @@ layout; :func:`decide` answers, as often as asked, whether it can be served now
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from operator import itemgetter
 from typing import Any, Union
 
 from .errors import InvalidRequestError, StaleRequestError, XavierError
 from .layout import BlockKey, CacheLayout, LayerId
-from .planning import Segment, segments_from_wire
+from .planning import BlockSpec, Segment, SegmentItem, segment_offsets, segments_from_wire
 from .policy import ChannelPolicy
-from .protocol import Load, Probe
+from .protocol import BlockLoad, Load, Probe
 from .sizes import View
 
 
-@dataclass(frozen=True, slots=True)
 class ParsedLoad:
-    """A request checked against the source's layout: its segments and payload."""
+    """A request checked against the source's layout: its segments and payload. A block
+    load's (``block``) segments are built only if something asks for them: the serve path
+    reads :meth:`segment_items` (plain tuples) and :attr:`block` instead."""
 
-    req_id: int
-    segments: list[Segment]
-    payload: int
-    useful: int
-    epoch: int = 0
-    slab: int = 0
-    verify: bool = False
+    __slots__ = ("req_id", "_segments", "payload", "useful", "epoch", "slab", "verify", "block")
+
+    def __init__(self, req_id: int, segments: list[Segment] | None, payload: int, useful: int,
+                 epoch: int = 0, slab: int = 0, verify: bool = False,
+                 block: BlockSpec | None = None) -> None:
+        if segments is None and block is None:
+            raise ValueError("a parsed load needs its segments or its block spec")
+        self.req_id, self._segments, self.payload, self.useful = req_id, segments, payload, useful
+        self.epoch, self.slab, self.verify, self.block = epoch, slab, verify, block
+
+    @property
+    def segments(self) -> list[Segment]:
+        segs = self._segments
+        if segs is None:
+            layers, keys, offsets, sizes = self.block  # type: ignore[misc]
+            segs = self._segments = [Segment(layer, keys, o, bn)
+                                     for layer, o, bn in zip(layers, offsets, sizes)]
+        return segs
+
+    def segment_items(self) -> Iterable[SegmentItem]:
+        """Each segment as ``(layer, keys, offset, block_nbytes, slots)`` (a
+        :class:`Segment` is such a tuple), without building segments for a block load."""
+        b = self.block
+        if b is None or self._segments is not None:
+            return self.segments
+        layers, keys, offsets, sizes = b
+        return zip(layers, repeat(keys), offsets, sizes, repeat(()))
+
+    def __repr__(self) -> str:
+        return (f"ParsedLoad(req_id={self.req_id}, payload={self.payload}, useful={self.useful}, "
+                f"epoch={self.epoch}, slab={self.slab}, verify={self.verify}, "
+                f"block={self.block is not None})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +96,59 @@ class Ready:
 Decision = Union[Refuse, NeedsMapping, Ready]
 
 
-def parse_load(load: Load, layout: CacheLayout, full_bytes: int) -> ParsedLoad | Refuse:
-    """Rebuild a request's segments (same offsets as the receiver computed)."""
+class BlockShapes:
+    """Where each layer's segment of a :class:`BlockLoad` lies, per (layers, key count):
+    :func:`~xavier_async.planning.segment_offsets` computed once per shape (the receiver's
+    planner lays such a batch out the same way), at most ``size`` shapes kept."""
+
+    def __init__(self, layout: CacheLayout, size: int = 256) -> None:
+        self.layout = layout
+        self.size = size
+        self._shapes: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], tuple[int, ...], int]] = {}
+
+    def shape(self, layers: tuple[int, ...], n: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """(segment offsets, block sizes, payload end) of ``n`` keys in each of
+        ``layers``; :class:`InvalidRequestError` naming a layer this layout lacks."""
+        key = (layers, n)
+        hit = self._shapes.get(key)
+        if hit is not None:
+            return hit
+        specs = self.layout.layers
+        sizes = []
+        for layer in layers:
+            spec = specs.get(layer)
+            if spec is None:
+                raise InvalidRequestError(f"unknown layer {layer!r} on the source")
+            sizes.append(spec.block_nbytes)
+        offsets, end = segment_offsets((bn, n) for bn in sizes)
+        if len(self._shapes) >= self.size:
+            self._shapes.pop(next(iter(self._shapes)))  # oldest first
+        hit = self._shapes[key] = (tuple(offsets), tuple(sizes), end)
+        return hit
+
+    def parse(self, load: BlockLoad, full_bytes: int) -> ParsedLoad | Refuse:
+        """A block load's segments: one per layer, each naming every key (one shared
+        tuple, so the lookup makes one getter for them all)."""
+        keys, layers = load.keys, load.layers
+        if not keys or not layers:
+            return Refuse(load.req_id, InvalidRequestError("empty load request"))
+        try:
+            offsets, sizes, end = self.shape(layers, len(keys))
+        except InvalidRequestError as exc:
+            return Refuse(load.req_id, exc)
+        if end > full_bytes:
+            return Refuse(load.req_id, InvalidRequestError(f"batch of {end} B exceeds the full slab"))
+        return ParsedLoad(load.req_id, None, end, len(keys) * sum(sizes), load.epoch,
+                          load.slab, load.verify, (layers, keys, offsets, sizes))
+
+
+def parse_load(load: Load | BlockLoad, layout: CacheLayout, full_bytes: int,
+               shapes: BlockShapes | None = None) -> ParsedLoad | Refuse:
+    """Rebuild a request's segments (same offsets as the receiver computed); a
+    :class:`BlockLoad`'s through ``shapes`` (a cache kept by the caller; one made here
+    otherwise)."""
+    if isinstance(load, BlockLoad):
+        return (shapes or BlockShapes(layout)).parse(load, full_bytes)
     try:
         segments, payload = segments_from_wire(load.batch, layout)
     except InvalidRequestError as exc:
@@ -125,6 +203,20 @@ def _getter(keys: tuple[BlockKey, ...]) -> Callable[[Mapping[BlockKey, int]], An
 def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]],
              ) -> list[Sequence[int]] | Refuse:
     """Source slots of every segment's keys, or a refusal naming the unpublished ones."""
+    if load.block is not None and load._segments is None:  # every layer: the same keys
+        layers, bkeys = load.block[0], load.block[1]
+        get_all = _getter(bkeys)
+        empty: Mapping[BlockKey, int] = {}
+        try:
+            return [get_all(published.get(layer, empty)) for layer in layers]
+        except (KeyError, TypeError):
+            for layer in layers:
+                table = published.get(layer, empty)
+                missing = [k for k in bkeys if k not in table]
+                if missing:
+                    return Refuse(load.req_id, InvalidRequestError(
+                        f"block key(s) {missing[:4]!r} not published in layer {layer!r}"))
+            raise  # pragma: no cover - a lookup failed, yet every key is there
     slot_lists: list[Sequence[int]] = []
     keys: tuple[BlockKey, ...] | None = None
     get: Callable[[Mapping[BlockKey, int]], Any] = _no_slots
@@ -156,5 +248,5 @@ def decide(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]]
     return Ready(load, slots, view)
 
 
-__all__ = ["ParsedLoad", "Refuse", "NeedsMapping", "Ready", "Decision", "parse_load",
+__all__ = ["BlockShapes", "ParsedLoad", "Refuse", "NeedsMapping", "Ready", "Decision", "parse_load",
            "check_probe", "check_epoch", "slots_of", "decide"]

@@ -32,7 +32,8 @@ from .metrics import EndpointMetrics
 from .peers import PeerTable
 from .planning import LoadRequest
 from .policy import ChannelPolicy
-from .protocol import Error, Hello, Landed, Load, Probe, ProtocolError, check_hello, decode, peer_facts
+from .protocol import (BlockLoad, Error, Hello, Landed, Load, Probe, ProtocolError, check_hello, decode,
+                       peer_facts)
 from .receiver import Receiver
 from .runtime import Caches, Runtime
 from .shielded import wait_terminal
@@ -400,6 +401,16 @@ class Endpoint:
         asynchronous CUDA copy."""
         return await self._receiver.load(requests)
 
+    async def load_blocks(self, peer: int, keys: Sequence[BlockKey], slots: Sequence[int], *,
+                          layers: Iterable[LayerId] | None = None) -> LoadResult:
+        """Load blocks ``keys`` from ``peer``: ``keys[i]`` into slot ``slots[i]`` of every
+        layer's cache (or of each of ``layers``). The common case of :meth:`load` ("these
+        prefix blocks, all layers") without building a request per layer: the same checks,
+        batches, result and errors as ``load({peer: {ALL_LAYERS: dict(zip(keys, slots))}})``,
+        and a key named twice is refused. Integer keys (0 <= key < 2**64) and integer
+        layer ids travel as a binary request."""
+        return await self._receiver.load_blocks(peer, keys, slots, layers)
+
     # -- messages -----------------------------------------------------------------------
     def _on_message(self, peer: int, msg: bytes, inline: bool) -> None:
         """A control message from a connected peer, to the role it is for."""
@@ -408,7 +419,7 @@ class Endpoint:
         except ProtocolError:
             log.warning("rank %d: dropped malformed message from rank %d", self.rank, peer)
             return
-        if isinstance(message, Load):
+        if isinstance(message, (BlockLoad, Load)):
             self._source.on_load(peer, message, inline)
         elif isinstance(message, Probe):
             self._source.on_probe(peer, message)

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Union
 from .errors import InternalError, InvalidRequestError
 from .layout import (ALL_LAYERS, SEGMENT_ALIGN, BlockKey, CacheLayout, LayerId, align_up,
                      check_key, check_layer_id, check_slot)
+from .protocol import pack_layers, packed_keys
 
 SlotSpec = Union[int, Sequence[int]]
 #: ``{source rank: {layer: {block key: slot or [slots]}}}``; layers are LayerId and keys
@@ -41,6 +42,13 @@ class Segment(NamedTuple):
     @property
     def nbytes(self) -> int:
         return self.block_nbytes * len(self.keys)
+
+
+#: a segment's fields as a plain tuple (a :class:`Segment` is one)
+SegmentItem = tuple[LayerId, tuple[BlockKey, ...], int, int, Any]
+#: a block load's segments, unbuilt: (layers, keys, offsets, block sizes), segment ``i``
+#: being layer ``layers[i]`` of every key at ``offsets[i]``
+BlockSpec = tuple[tuple[LayerId, ...], tuple[BlockKey, ...], tuple[int, ...], tuple[int, ...]]
 
 
 class Batch(NamedTuple):
@@ -220,6 +228,9 @@ class BatchShape(NamedTuple):
     wire_template: tuple[Any, ...]
     #: segment indices whose keys must be filled in the wire
     fresh: tuple[int, ...]
+    #: the layer ids packed for a :class:`~xavier_async.protocol.BlockLoad` when every
+    #: segment takes every key and the layer ids are small ints (else None: a JSON Load)
+    block_layers: bytes | None = None
 
 
 def _single_shape(layer_ids: tuple[Any, ...], n: int, offsets: tuple[int, ...],
@@ -229,7 +240,8 @@ def _single_shape(layer_ids: tuple[Any, ...], n: int, offsets: tuple[int, ...],
     repeats the first one's keys on the wire."""
     k = len(layer_ids)
     return BatchShape(layer_ids, (0,) * k, (n,) * k, offsets, sizes, end, n * sum(sizes),
-                      (None,) + tuple([layer, 0] for layer in layer_ids[1:]), (0,))
+                      (None,) + tuple([layer, 0] for layer in layer_ids[1:]), (0,),
+                      pack_layers(layer_ids))
 
 
 class PlannedBatch:
@@ -282,6 +294,18 @@ class PlannedBatch:
 
     def batch(self) -> Batch:
         return Batch(self.segments, self.nbytes)
+
+    def block_form(self) -> tuple[bytes, int, bytes, int] | None:
+        """This batch as a :class:`~xavier_async.protocol.BlockLoad` names it: (packed
+        layer ids, layer count, packed keys, key count); ``None`` unless every segment
+        takes every key, the layers are small ints and the keys unsigned 64-bit ints."""
+        sh = self.shape
+        if sh is None or sh.block_layers is None:
+            return None
+        keys = packed_keys(self.keys)
+        if keys is None:
+            return None
+        return sh.block_layers, len(sh.layers), keys, len(self.keys)
 
     def wire(self) -> list[Any]:
         """Exactly :meth:`Batch.wire` of this batch."""
@@ -337,6 +361,38 @@ class Planner:
         plans = normalize(requests, self.layout)
         return [PlannedBatch.of(src, b) for src, plan in plans.items()
                 for b in plan_batches(plan, self.layout, self.full_bytes)]
+
+    def plan_blocks(self, src: int, keys: Sequence[BlockKey], slots: Sequence[int],
+                    layers: Iterable[LayerId] | None = None) -> list[PlannedBatch]:
+        """:meth:`plan` of ``{src: {layer: {keys[i]: slots[i]}}}`` for every layer (or
+        ``layers``), with one shared ``{key: slot}`` mapping: the same batches and errors
+        as that request, without building or comparing a mapping per layer. A key named
+        twice is refused (a mapping would keep only its last slot)."""
+        if isinstance(keys, (str, bytes)) or isinstance(slots, (str, bytes)):
+            raise InvalidRequestError("keys and slots must be sequences (of keys, of slot indices)")
+        try:
+            keys, slots = tuple(keys), tuple(slots)
+        except TypeError:
+            raise InvalidRequestError("keys and slots must be sequences (of keys, of slot "
+                                      "indices)") from None
+        if len(keys) != len(slots):
+            raise InvalidRequestError(f"{len(keys)} keys but {len(slots)} slots")
+        try:
+            blocks = dict(zip(keys, slots))
+        except TypeError:  # an unhashable key
+            bad = next(k for k in keys if not isinstance(k, (int, str, bytes)))
+            check_key(bad)
+            raise
+        if len(blocks) != len(keys):
+            raise InvalidRequestError("a block key is named twice (each key names one slot; "
+                                      "for one key in several slots use load())")
+        if layers is None:
+            request: dict[Any, Any] = {ALL_LAYERS: blocks}
+        else:
+            if isinstance(layers, (str, bytes)):
+                raise InvalidRequestError(f"layers must be a collection of layer ids, got {layers!r}")
+            request = {layer: blocks for layer in layers}
+        return self.plan({src: request})
 
     def _uniform(self, src: Any, layers: Any) -> list[PlannedBatch] | None:
         if type(src) is not int or src < 0 or type(layers) is not dict or not layers:

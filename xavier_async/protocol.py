@@ -5,6 +5,9 @@ Control messages are one of three frozen dataclasses, each with ``to_wire``/``fr
 
 * :class:`Load` (receiver -> source): serve batch ``batch`` under request id ``req_id``,
   into the receiver's receive slab number ``slab``, under the pair's ``epoch``;
+* :class:`BlockLoad` (receiver -> source): the same for the common batch "these block
+  keys in each of these layers" (one segment per layer, every segment the same keys), in a
+  fixed binary layout: 64-bit keys and 32-bit layer ids, no per-item Python on either side;
 * :class:`Probe` (receiver -> source): are all these keys published? (answered with a
   ``Landed`` of 0 bytes or an ``Error``; nothing is written);
 * :class:`Landed` (source -> receiver, carried by the WRITE): the batch's bytes are in the
@@ -12,8 +15,10 @@ Control messages are one of three frozen dataclasses, each with ``to_wire``/``fr
 * :class:`Error` (source -> receiver): the source refused or failed the request;
   ``settled`` says whether the source is sure no write of it can still land.
 
-On the wire a message is ``b"XA"``, one tag byte and compact JSON (never pickle: a peer can
-never make us execute code; byte keys travel as ``{"b": hex}``). The handshake's
+On the wire a message is ``b"XA"``, one tag byte and its body. The hot path's messages
+(:class:`BlockLoad`, :class:`Landed`) are fixed-layout binary (``struct``, little-endian);
+the others are compact JSON (never pickle: a peer can never make us execute code; byte keys
+travel as ``{"b": hex}``). The handshake's
 :class:`Hello` is a JSON object the transport carries; :func:`check_hello` validates a
 peer's. :class:`RequestTable` correlates replies with the receiver's outstanding
 requests. The source's serve decision is :mod:`xavier_async.decision`.
@@ -25,7 +30,9 @@ Everything here can be fed arbitrary bytes: malformed input raises :class:`Proto
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+import struct
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, Union
 
@@ -34,9 +41,10 @@ from .errors import (HandshakeError, LayoutMismatchError, PeerLostError,
 from .layout import CacheLayout
 from .sizes import SlabSizes
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 MAGIC: Final = b"XA"
 LOAD_TAG: Final = b"L"
+BLOCK_TAG: Final = b"B"
 LANDED_TAG: Final = b"D"
 ERROR_TAG: Final = b"E"
 PROBE_TAG: Final = b"P"
@@ -62,16 +70,57 @@ def _encode(tag: bytes, body: Any) -> bytes:
     return MAGIC + tag + _dumps(body).encode()
 
 
+#: BlockLoad's fixed header: request id, epoch, receive slab, verify, layer count, key count
+_BLOCK = struct.Struct("<qQIBHI")
+_BLOCK_PREFIX = MAGIC + BLOCK_TAG
+#: the most keys one BlockLoad names (a batch never holds more blocks than this)
+MAX_BLOCK_KEYS: Final = 1 << 20
+
+#: request ids are signed 64-bit, counts and epochs unsigned 64-bit, slab numbers 32-bit
+_ID_RANGE = range(-(1 << 63), 1 << 63)
+_COUNT_RANGE = range(0, 1 << 64)
+_SLAB_RANGE = range(0, 1 << 32)
+
+
 def _req_id(value: object) -> int:
-    if type(value) is not int:
+    if type(value) is not int or value not in _ID_RANGE:
         raise ProtocolError(f"malformed request id {value!r}")
     return value
 
 
-def _count(value: object, what: str) -> int:
-    if type(value) is not int or value < 0:
+def _count(value: object, what: str, valid: range = _COUNT_RANGE) -> int:
+    if type(value) is not int or value not in valid:
         raise ProtocolError(f"malformed {what} {value!r}")
     return value
+
+
+@lru_cache(maxsize=256)
+def _array(code: str, n: int) -> struct.Struct:
+    """The layout of ``n`` little-endian items of ``code`` (made once per length)."""
+    return struct.Struct(f"<{n}{code}")
+
+
+def pack_layers(layers: Sequence[object]) -> bytes | None:
+    """Layer ids as :class:`BlockLoad` carries them (32-bit signed ints), or ``None`` if
+    one of them is not such an int (that request travels as a JSON :class:`Load`)."""
+    for layer in layers:
+        if type(layer) is not int or not -(1 << 31) <= layer < 1 << 31:
+            return None
+    return _array("i", len(layers)).pack(*layers)
+
+
+def packed_keys(keys: Sequence[object]) -> bytes | None:
+    """Block keys as :class:`BlockLoad` carries them (64-bit unsigned ints), or ``None``
+    if one of them is not such an int (bool included) or there are too many."""
+    if len(keys) > MAX_BLOCK_KEYS:
+        return None
+    for key in keys:
+        if type(key) is not int:
+            return None
+    try:
+        return _array("Q", len(keys)).pack(*keys)
+    except struct.error:  # out of range
+        return None
 
 
 # -- messages ------------------------------------------------------------------------------
@@ -112,8 +161,83 @@ class Load:
         if not isinstance(body, list) or len(body) != 5 or body[4] not in (0, 1) \
                 or type(body[4]) is not int:
             raise ProtocolError("malformed LOAD body")
-        return cls(_req_id(body[0]), body[1], _count(body[2], "epoch"), _count(body[3], "slab"),
-                   bool(body[4]))
+        return cls(_req_id(body[0]), body[1], _count(body[2], "epoch"),
+                   _count(body[3], "slab", _SLAB_RANGE), bool(body[4]))
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLoad:
+    """Receiver -> source, binary: pack and write one batch of every key of ``keys`` in
+    each layer of ``layers``, laid out as the planner lays out such a batch (a segment per
+    layer, in this order, at aligned offsets; :func:`~xavier_async.planning.segment_offsets`).
+    Keys are unsigned 64-bit ints and layer ids signed 32-bit ints; other batches travel as
+    a :class:`Load`. The other fields are :class:`Load`'s."""
+
+    req_id: int
+    layers: tuple[int, ...]
+    keys: tuple[int, ...]
+    epoch: int = 0
+    slab: int = 0
+    verify: bool = False
+
+    def to_wire(self) -> bytes:
+        layers = pack_layers(self.layers)
+        if layers is None:
+            raise ProtocolError(f"layer ids {self.layers[:4]!r} do not fit a BlockLoad")
+        keys = packed_keys(self.keys)
+        if keys is None:
+            raise ProtocolError(f"block keys {self.keys[:4]!r} do not fit a BlockLoad")
+        return block_load_wire(self.req_id, layers, len(self.layers), keys, len(self.keys),
+                               self.epoch, self.slab, self.verify)
+
+    @classmethod
+    def from_wire(cls, msg: bytes) -> BlockLoad:
+        """Parse a whole message (``b"XAB"`` and the body); :class:`ProtocolError` unless
+        its length is exactly what its header says."""
+        try:
+            req_id, epoch, slab, verify, nl, nk = _BLOCK.unpack_from(msg, 3)
+        except struct.error:
+            raise ProtocolError("malformed BLOCK LOAD header") from None
+        at = 3 + _BLOCK.size
+        if verify > 1 or nk > MAX_BLOCK_KEYS or len(msg) != at + 4 * nl + 8 * nk:
+            raise ProtocolError("malformed BLOCK LOAD body")
+        layers = _array("i", nl).unpack_from(msg, at)
+        keys = _array("Q", nk).unpack_from(msg, at + 4 * nl)
+        return cls(req_id, layers, keys, epoch, slab, bool(verify))
+
+
+def block_load_wire(req_id: int, layers: bytes, nlayers: int, keys: bytes, nkeys: int,
+                    epoch: int, slab: int, verify: bool) -> bytes:
+    """A :class:`BlockLoad` from its parts already packed (:func:`pack_layers`, 64-bit
+    keys): what the receiver's hot path sends."""
+    try:
+        head = _BLOCK.pack(req_id, epoch, slab, verify, nlayers, nkeys)
+    except struct.error as exc:
+        raise ProtocolError(f"a BlockLoad field is out of range: {exc}") from None
+    return _BLOCK_PREFIX + head + layers + keys
+
+
+class BlockForm(Protocol):
+    """A batch that may travel as a :class:`BlockLoad`."""
+
+    def block_form(self) -> tuple[bytes, int, bytes, int] | None:
+        """(packed layer ids, layer count, packed keys, key count), or ``None``."""
+
+
+def load_wire(req_id: int, batch: Wired, epoch: int = 0, slab: int = 0,
+              verify: bool = False) -> bytes:
+    """The request for ``batch``: a :class:`BlockLoad` when the batch has a block form
+    (``batch.block_form()``: every segment the same integer keys, integer layers), else a
+    JSON :class:`Load`."""
+    form = getattr(batch, "block_form", None)
+    if form is not None:
+        parts = form()
+        if parts is not None:
+            layers, nl, keys, nk = parts
+            return block_load_wire(req_id, layers, nl, keys, nk, epoch, slab, verify)
+    return Load.of(req_id, batch, epoch, slab, verify).to_wire()
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,16 +276,38 @@ class Landed:
     tiers: tuple[int, int] = (0, 0)
 
     def to_wire(self) -> bytes:
-        return _encode(LANDED_TAG, [self.req_id, self.wire_bytes, self.digest, self.slab,
-                                    self.tiers[0], self.tiers[1]])
+        """Binary: a fixed header (request id, bytes, slab, the two tier counts, whether
+        there is a digest and its length) and the digest's UTF-8 bytes."""
+        digest = b"" if self.digest is None else self.digest.encode()
+        try:
+            return _LANDED_PREFIX + _LANDED.pack(
+                self.req_id, self.wire_bytes, self.slab, self.tiers[0], self.tiers[1],
+                self.digest is not None, len(digest)) + digest
+        except struct.error as exc:
+            raise ProtocolError(f"a LANDED field is out of range: {exc}") from None
 
     @classmethod
-    def from_body(cls, body: Any) -> Landed:
-        if not isinstance(body, list) or len(body) != 6 or type(body[1]) is not int or body[1] < 0 \
-                or not (body[2] is None or isinstance(body[2], str)):
+    def from_wire(cls, msg: bytes) -> Landed:
+        """Parse a whole message (``b"XAD"`` and the body)."""
+        try:
+            req_id, n, slab, dev, host, has, size = _LANDED.unpack_from(msg, 3)
+        except struct.error:
+            raise ProtocolError("malformed LANDED header") from None
+        at = 3 + _LANDED.size
+        if has > 1 or len(msg) != at + size or (size and not has):
             raise ProtocolError("malformed LANDED body")
-        return cls(_req_id(body[0]), body[1], body[2], _count(body[3], "slab"),
-                   (_count(body[4], "tier count"), _count(body[5], "tier count")))
+        digest = None
+        if has:
+            try:
+                digest = bytes(msg[at:]).decode()
+            except UnicodeDecodeError:
+                raise ProtocolError("malformed LANDED digest") from None
+        return cls(req_id, n, digest, slab, (dev, host))
+
+
+#: Landed's fixed header: request id, bytes, slab, tier counts, has a digest, digest length
+_LANDED = struct.Struct("<qQIQQBH")
+_LANDED_PREFIX = MAGIC + LANDED_TAG
 
 
 #: error kind on the wire <-> the exception the receiver raises (one table, both ways)
@@ -210,16 +356,22 @@ class Error:
         return cls(_req_id(body[0]), body[1], body[2], bool(body[3]))
 
 
-Message = Union[Load, Probe, Landed, Error]
+Message = Union[Load, BlockLoad, Probe, Landed, Error]
+#: the JSON messages, by tag
 _BY_TAG: Final[Mapping[bytes, Callable[[Any], Message]]] = {
-    LOAD_TAG: Load.from_body, PROBE_TAG: Probe.from_body, LANDED_TAG: Landed.from_body,
-    ERROR_TAG: Error.from_body}
+    LOAD_TAG: Load.from_body, PROBE_TAG: Probe.from_body, ERROR_TAG: Error.from_body}
+#: the binary messages, by their first three bytes
+_BINARY: Final[Mapping[bytes, Callable[[bytes], Message]]] = {
+    _BLOCK_PREFIX: BlockLoad.from_wire, _LANDED_PREFIX: Landed.from_wire}
 
 
 def decode(msg: bytes) -> Message:
     """Bytes from a peer -> a message; :class:`ProtocolError` on anything malformed."""
     if not isinstance(msg, (bytes, bytearray)) or len(msg) < 3 or msg[:2] != MAGIC:
         raise ProtocolError(f"not an xavier_async control message: {bytes(msg[:16])!r}")
+    binary = _BINARY.get(bytes(msg[:3]))
+    if binary is not None:
+        return binary(bytes(msg))
     parse = _BY_TAG.get(bytes(msg[2:3]))
     if parse is None:
         raise ProtocolError(f"unknown message tag {bytes(msg[2:3])!r}")
@@ -404,6 +556,7 @@ class RequestTable:
         return len(self._open)
 
 
-__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Load", "Probe", "Landed", "Error", "ERROR_KINDS",
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Load", "BlockLoad", "BlockForm", "load_wire",
+           "block_load_wire", "pack_layers", "packed_keys", "MAX_BLOCK_KEYS", "Probe", "Landed", "Error", "ERROR_KINDS",
            "Message", "decode", "Hello", "PeerFacts", "peer_facts", "check_hello",
            "PendingRequest", "RequestTable"]

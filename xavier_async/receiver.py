@@ -21,7 +21,7 @@ table and the receive slabs (registering replacements of fenced ones).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter_ns
 from typing import Any
 
@@ -32,15 +32,16 @@ from .config import LoadResult
 from .errors import (EndpointClosedError, IntegrityError, InternalError, InvalidRequestError,
                      PeerLostError, RegistrationError, XavierError)
 from .fairpool import Ticket
+from .layout import BlockKey, LayerId
 from .merging import MergedBatch, Moved
 from .packing import SlabRows, unpack
 from .peers import PeerTable
 from .planning import LoadRequest, PlannedBatch, Planner
-from .protocol import Error, Landed, Load, PendingRequest, Probe, RequestTable
+from .protocol import Error, Landed, PendingRequest, Probe, RequestTable, load_wire
 from .recvslabs import Lease, RecvSlabs
 from .runtime import Runtime
 from .scheduling import BatchScheduler
-from .shielded import wait_terminal
+from .shielded import landing
 from .slabs import Slab, allocate_slab, payload_digest
 
 log = logging.getLogger("xavier_async")
@@ -103,6 +104,23 @@ class Receiver:
             planned = self._planner.plan(requests)
         except TypeError as exc:  # something inside the request is not what it should be
             raise InvalidRequestError(f"malformed load request: {exc}") from exc
+        return await self._run(planned, t0)
+
+    async def load_blocks(self, src: int, keys: Sequence[BlockKey], slots: Sequence[int],
+                          layers: Iterable[LayerId] | None = None) -> LoadResult:
+        """``keys[i]`` from ``src`` into ``slots[i]`` of every layer (or of ``layers``):
+        :meth:`load` of that request, planned without building it layer by layer."""
+        t0 = perf_counter_ns()
+        self._rt.check_open()
+        try:
+            planned = self._planner.plan_blocks(src, keys, slots, layers)
+        except TypeError as exc:
+            raise InvalidRequestError(f"malformed load request: {exc}") from exc
+        return await self._run(planned, t0)
+
+    async def _run(self, planned: list[PlannedBatch], t0: int) -> LoadResult:
+        """Check the sources, then probe (several batches) and carry every batch."""
+        rt = self._rt
         for src in dict.fromkeys(b.src for b in planned):
             if src == rt.rank:
                 raise InvalidRequestError(f"rank {src} cannot load from itself")
@@ -165,8 +183,15 @@ class Receiver:
         ticket must wait, register a replacement (it joins the pool: granted to the first
         waiter). A failure or a cancellation cancels the ticket: it takes nothing."""
         recv = self.slabs
+        if ticket.granted:  # the common case: a slab was free, nothing to wait for
+            try:
+                await anyio.lowlevel.checkpoint_if_cancelled()
+            except BaseException:
+                ticket.cancel()
+                raise
+            return recv.lease(ticket.claim())
         try:
-            if not ticket.granted and recv.short():
+            if recv.short():
                 await self._add_slab()
         except BaseException:
             ticket.cancel()
@@ -266,32 +291,27 @@ class Receiver:
             except PeerLostError as exc:  # it did not acknowledge the slab in time: as
                 await self._on_timeout(src, exc)  # unresponsive as a request timing out
                 raise
-        landed = anyio.Event()
+        landed = landing()
         req = self.requests.open(src, landed.set)
         timeout = self._config.request_timeout
         try:
             # from the first byte of the request on, the copy is "started": it is
             # waited for until the source reports a terminal state
-            deadline = anyio.current_time() + timeout
             sent = 0  # perf_counter_ns once the request is out
-            msg = Load.of(req.req_id, batch, self._peers.epoch(src), slab.index,
-                          self._config.verify).to_wire()
+            msg = load_wire(req.req_id, batch, self._peers.epoch(src), slab.index,
+                            self._config.verify)
 
-            async def request_and_wait() -> None:
+            async def request() -> None:
                 nonlocal sent
-                if not sent:
-                    # marked before awaiting: a native cancellation that gets through
-                    # the shield during the send must not send the request twice
-                    t_post = sent = perf_counter_ns()
-                    try:
-                        await rt.transport.send(src, msg)
-                    except XavierError as exc:
-                        req.fail(exc, settled=True)  # never sent: nothing can land
-                    sent = perf_counter_ns()
-                    rt.stages.post.record(sent - t_post)
-                await landed.wait()
+                t_post = sent = perf_counter_ns()
+                try:
+                    await rt.transport.send(src, msg)
+                except XavierError as exc:
+                    req.fail(exc, settled=True)  # never sent: nothing can land
+                sent = perf_counter_ns()
+                rt.stages.post.record(sent - t_post)
 
-            held = await wait_terminal(request_and_wait, deadline)
+            held = await landed.wait_terminal(request, timeout)
             rt.stages.wait.record(perf_counter_ns() - sent)
             if not req.done:
                 m.load_errors += 1
@@ -317,7 +337,7 @@ class Receiver:
                 f"rank {src} reports writing receive slab {req.slab}, but this batch was "
                 f"requested into slab {slab.index}: not unpacked, the slots keep their contents")
         # a cancellation that arrived during the copy surfaces here, before unpacking
-        await anyio.lowlevel.checkpoint()
+        await anyio.lowlevel.checkpoint_if_cancelled()
         if self._config.verify:
             got = payload_digest(slab.tensor, batch.nbytes)
             if got != req.digest:

@@ -20,7 +20,7 @@ and admission are :mod:`xavier_async.snapshot_index`'s; this module does the cop
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
@@ -32,7 +32,7 @@ import torch
 from .errors import InvalidRequestError
 from .layout import BlockKey, CacheLayout, LayerId
 from .packing import DeviceRuns, RunTable, SlabRows, merged_runs, run_host
-from .planning import Segment
+from .planning import BlockSpec, Segment, SegmentItem
 from .snapshot_index import DEVICE, HOST, Admission, SnapshotIndex
 
 log = logging.getLogger("xavier_async")
@@ -108,6 +108,8 @@ class SnapshotStore:
         self.table: StoreTable | None = None
         self._runs: DeviceRuns | None = None
         self._released: anyio.Event | None = None
+        #: per block load's layers: the bytes of one hash as one run, or False (_serve_one)
+        self._contiguous: dict[tuple[LayerId, ...], int | bool] = {}
         #: staging and demotion passes, and the nanoseconds they took (the bench reads them)
         self.staged_blocks = self.stage_ns = self.demote_ns = 0
 
@@ -298,17 +300,25 @@ class SnapshotStore:
     #: a segment of this many blocks or more is laid out with numpy, not block by block
     VECTOR_FROM = 16
 
-    def serve(self, slab_ptr: int, segments: Sequence[Segment],
-              slot_lists: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], tuple[int, int], GatherRuns]:
+    def serve(self, slab_ptr: int, segments: Iterable[SegmentItem],
+              slot_lists: Sequence[Sequence[int]], block: BlockSpec | None = None,
+              ) -> tuple[tuple[int, ...], tuple[int, int], GatherRuns]:
         """What one serve needs, in one pass over its segments (the source's hot path):
         the slots it reads, leased (for :meth:`release`); its keys touched (most recently
         used); its (device-tier, host-tier) block counts; the runs gathering it into a
         slab at ``slab_ptr`` (as :meth:`StoreTable.pack_table`; a segment of
         ``VECTOR_FROM`` blocks or more is laid out by numpy, one run per block, so a large
-        batch costs no Python per block)."""
+        batch costs no Python per block). ``segments``: :class:`Segment` tuples or
+        anything of their shape; ``block``: a block load's spec
+        (:attr:`~xavier_async.decision.ParsedLoad.block`), which serves one block hash
+        laid out as the store keeps it with no pass over its layers."""
         t = self.table
         if t is None:
             raise InvalidRequestError("the snapshot store is not started")
+        if block is not None and len(block[1]) == 1:
+            one = self._serve_one(t, slab_ptr, block, slot_lists)
+            if one is not None:
+                return one
         split, stride = t.split, t.stride
         dev_base, host_base = t.device_base, t.host_base
         touch = self.index.touch
@@ -372,6 +382,45 @@ class SnapshotStore:
             table = (cat[0], cat[1], cat[2]) if self._runs is None else (
                 cat[0].tolist(), cat[1].tolist(), cat[2].tolist())
         return leased, (total - host, host), table
+
+    def _serve_one(self, t: StoreTable, slab_ptr: int, block: BlockSpec,
+                   slot_lists: Sequence[Sequence[int]],
+                   ) -> tuple[tuple[int, ...], tuple[int, int], GatherRuns] | None:
+        """:meth:`serve` of one block hash whose layers lie in the slab exactly as in its
+        store slot (every layer, in the store's order: one run), or ``None``."""
+        layers, keys, offsets, sizes = block
+        start = self._contiguous.get(layers)
+        if start is None:
+            start = self._contiguous[layers] = self._layout_run(layers, offsets, sizes)
+            if len(self._contiguous) > 64:
+                self._contiguous.pop(next(iter(self._contiguous)))
+        first = slot_lists[0]
+        if start is False or len(first) != 1 or slot_lists.count(first) != len(slot_lists):
+            return None  # (with the store every layer names the same slot: a safety net)
+        slot = first[0]
+        host = slot >= t.split
+        src = (t.host_base if host else t.device_base)[layers[0]] + slot * t.stride
+        self.index.touch(keys[0])
+        leased = (slot,)
+        self.index.lease(leased)
+        n = len(layers)
+        return leased, ((0, n) if host else (n, 0)), ([slab_ptr + offsets[0]], [src], [start])
+
+    def _layout_run(self, layers: tuple[LayerId, ...], offsets: tuple[int, ...],
+                    sizes: tuple[int, ...]) -> int | bool:
+        """The bytes of one run copying a block of ``layers`` (at slab ``offsets``) from a
+        store slot, if they lie there in the same order with the same gaps, else False."""
+        own = self.offsets
+        if any(layer not in own for layer in layers):
+            return False
+        base, at = own[layers[0]], offsets[0]
+        for layer, o, bn in zip(layers, offsets, sizes):
+            if own[layer] - base != o - at or bn != self.layout.layers[layer].block_nbytes:
+                return False
+        for (o, bn), o_next in zip(zip(offsets, sizes), offsets[1:]):
+            if o + bn != o_next:
+                return False
+        return offsets[-1] + sizes[-1] - at
 
     def run(self, table: GatherRuns, slab: torch.Tensor | None = None) -> Any:
         """Execute a gather (a table from :meth:`serve`) into ``slab`` (the byte tensor

@@ -32,9 +32,9 @@ from .layout import BlockKey, LayerId, check_key, check_layers, check_slot
 from ._checks import check_int
 from .packing import SlabRows, pack
 from .peers import PeerTable
-from .decision import (Decision, NeedsMapping, ParsedLoad, Ready, Refuse, check_epoch, check_probe,
-                       decide, parse_load)
-from .protocol import Error, Landed, Load, Probe
+from .decision import (BlockShapes, Decision, NeedsMapping, ParsedLoad, Ready, Refuse, check_epoch,
+                       check_probe, decide, parse_load)
+from .protocol import BlockLoad, Error, Landed, Load, Probe
 from .runtime import Runtime
 from .slabs import Slab, payload_digest
 from .snapshots import PublishResult, SnapshotStore
@@ -54,6 +54,8 @@ class Source:
         self._config = rt.config
         layout = rt.caches.layout
         self._layout = layout
+        #: block loads' segment offsets, per (layers, key count)
+        self._shapes = BlockShapes(layout)
         #: layer -> block key -> the slot it lives at
         self.published: dict[LayerId, dict[BlockKey, int]] = {layer: {} for layer in layout.layers}
         #: the send slabs: one is held from packing until its copy is terminal
@@ -200,7 +202,7 @@ class Source:
         except XavierError:
             pass
 
-    def on_load(self, peer: int, load: Load, inline: bool) -> None:
+    def on_load(self, peer: int, load: Load | BlockLoad, inline: bool) -> None:
         """A request: refused at once (stale or malformed), served right here (``inline``,
         a send slab free, nothing queued ahead, and :meth:`_serve` ready for it), or
         queued."""
@@ -210,7 +212,7 @@ class Source:
         if stale is not None:  # its receiver moved on (gave up, or reconnected since)
             self._spawn_reply(peer, stale.req_id, stale.error)
             return
-        parsed = parse_load(load, self._layout, self._config.full_bytes)
+        parsed = parse_load(load, self._layout, self._config.full_bytes, self._shapes)
         if isinstance(parsed, Refuse):
             self._spawn_reply(peer, parsed.req_id, parsed.error)
             return
@@ -262,8 +264,8 @@ class Source:
                              caches.device_runs)
             else:  # from the store's tiers; its slots are leased until the copy is terminal
                 rows = self._rows[send]
-                self._leased[send], tiers, table = store.serve(rows.ptr, load.segments,
-                                                               ready.slot_lists)
+                self._leased[send], tiers, table = store.serve(rows.ptr, load.segment_items(),
+                                                               ready.slot_lists, load.block)
                 if (self._direct and not load.verify and len(table[2]) <= self._direct_max
                         and store.writable_directly(table)):
                     # few regions: written straight from the store, nothing gathered

@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the plain-Python protocol floor (two bare NIXL processes: request, "
                         "WRITE with its notification, one-copy gather and scatter) that the load "
                         "rows are compared with")
+    b.add_argument("--no-load-timeline", dest="load_timeline", action="store_false",
+                   help="skip the load timeline (one-hash loads with every stage marked in both "
+                        "processes: each side's Python host time per load, NIXL's calls and "
+                        "copies apart)")
     snapshot = b.add_mutually_exclusive_group()
     snapshot.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                           help="skip the snapshot-store section (a loader and three sources over "
@@ -195,6 +199,7 @@ def _bench(args: argparse.Namespace) -> int:
                             alloc_copies=args.alloc_copies, alloc_loads=args.alloc_loads,
                             descriptors=args.descriptors, snapshot=args.snapshot,
                             protocol_floor=args.protocol_floor,
+                            load_timeline=args.load_timeline,
                             seed=args.seed, quick=args.quick,
                             pin_cpus=args.pin, compare=args.compare, serving=args.serving,
                             serving_topology=args.serving_topology,
@@ -226,6 +231,8 @@ def _bench(args: argparse.Namespace) -> int:
                 "decision cost", "memory growth", "memory over loads"]
     if opts.protocol_floor and opts.transport == "nixl":
         sections.append("protocol floor")
+    if opts.load_timeline and opts.transport == "nixl":
+        sections.append("load timeline")
     if opts.descriptors and opts.transport == "nixl":
         sections.append("descriptor path")
     if opts.snapshot and opts.transport == "nixl":
@@ -394,6 +401,9 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
     pf = r.get("protocol_floor")
     if pf is not None:
         tables.insert(3, _protocol_floor_rows(e2e, pf, fl))
+    lt = r.get("load_timeline")
+    if lt is not None:
+        tables.insert(4, _timeline_rows(lt))
     d = r.get("descriptors")
     if d is not None:
         from .descriptors import HEADER, print_descriptors
@@ -438,19 +448,44 @@ def _protocol_floor_rows(e2e: dict[str, Any], pf: dict[str, Any], fl: dict[str, 
         return ("Loads vs the plain-Python protocol floor (did not run)", [[pf["error"]]], ["error"])
     rows = []
     for name, f in pf.items():
-        load = e2e.get(name)
         raw = fl["full" if name == "large" else "small"]["median_us"]
-        lp = None if load is None else load["median_us"]
-        rows.append([name, f"{f['bytes'] / KiB:.0f} KiB", f"{raw:.1f}", f"{f['notify']['median_us']:.1f}",
-                     f"{f['asyncio']['median_us']:.1f}", f"{f['gather']['median_us']:.1f}",
-                     "-" if lp is None else f"{lp:.1f}",
-                     "-" if lp is None else f"{lp / f['gather']['median_us']:.2f}x",
-                     "-" if lp is None else f"{lp / raw:.2f}x", "yes" if f["bytes_ok"] else "NO"])
+        floor = f["gather"]["median_us"]
+        row = [name, f"{f['bytes'] / KiB:.0f} KiB", f"{raw:.1f}", f"{f['notify']['median_us']:.1f}",
+               f"{f['asyncio']['median_us']:.1f}", f"{floor:.1f}"]
+        for case in (name, f"{name}_blocks"):  # load(), then load_blocks() where measured
+            lp = e2e.get(case, {}).get("median_us")
+            row += (["-", "-", "-"] if lp is None else
+                    [f"{lp:.1f}", f"{lp / floor:.2f}x", f"{lp / raw:.2f}x"])
+        rows.append([*row, "yes" if f["bytes_ok"] else "NO"])
     return ("Loads vs the plain-Python protocol floor (p50 us; two bare NIXL processes, no library: "
             "request notification, pre-made WRITE carrying the done notification, checked to DONE, "
-            "polled; +gather/scatter: one strided copy each side; raw: the WRITE floor above)",
+            "polled; +gather/scatter: one strided copy each side; raw: the WRITE floor above; "
+            "load_blocks: the same load through Endpoint.load_blocks)",
             rows, ["load", "payload", "raw WRITE", "request+WRITE+notify", "same on asyncio",
-                   "+gather/scatter (floor)", "Endpoint.load", "load/floor", "load/raw", "bytes ok"])
+                   "+gather/scatter (floor)", "Endpoint.load", "load/floor", "load/raw",
+                   "load_blocks", "blocks/floor", "blocks/raw", "bytes ok"])
+
+
+def _timeline_rows(lt: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
+    """Each side's time per one-hash load, from the load timeline (issue 24's host time)."""
+    if "error" in lt:
+        return ("Load timeline (did not run)", [[lt["error"]]], ["error"])
+    apis = list(lt)
+    names: list[str] = []
+    for api in apis:
+        names.extend(k for k, v in lt[api].items()
+                     if isinstance(v, float) and k not in names and k != "loads")
+    head = ["load", "receiver.busy", "receiver.python", "receiver.nixl", "receiver.copy",
+            "receiver.marking", "source.busy", "source.python", "source.nixl", "source.copy",
+            "source.marking"]
+    order = head + sorted(n for n in names if n not in head and n != "mark_ns")
+    rows = [[n, *(f"{lt[api][n]:.1f}" if n in lt[api] else "-" for api in apis)] for n in order]
+    n, mark = lt[apis[0]].get("loads", 0), lt[apis[0]].get("mark_ns", 0.0)
+    return (f"Load timeline: one-hash loads one at a time, every stage marked in both processes "
+            f"(medians over {n} loads, us). busy: the receiver's load less its wait for the "
+            f"reply, the source's handling; python: busy less NIXL's calls (nixl), byte copies "
+            f"(copy) and the marks' own cost (marking: {mark / 1e3:.2f} us a marked call, "
+            f"measured)", rows, ["span", *apis])
 
 
 def _stage_rows(e2e: dict[str, Any], tl: dict[str, Any] | None, small_floor: float,

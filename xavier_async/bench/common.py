@@ -47,6 +47,9 @@ class BenchOptions:
     descriptors: bool = True
     #: run the plain-Python protocol floor (:mod:`.protocol_floor`; NIXL transport only)
     protocol_floor: bool = True
+    #: run the load timeline (:mod:`xavier_async.testing.timeline`: per side Python host
+    #: time of one-hash loads, two processes of its own; NIXL transport only)
+    load_timeline: bool = True
     #: run the snapshot-store section (:mod:`.snapshots`; NIXL transport only)
     snapshot: bool = True
     seed: int = 0

@@ -39,6 +39,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import anyio
@@ -192,25 +193,34 @@ async def e2e_loads(rig: Rig, o: BenchOptions, seed_res: dict[str, Any]) -> dict
     expected = {PEER: pattern_caches(layout, PEER, o.seed)}
     cases = {"small": _load_request(1, layout.layers, layout),           # one block hash, all layers
              "small_one_layer": _load_request(1, 1, layout),              # one block of one layer
-             "large": _load_request(keys_full, layout.layers, layout)}    # a full slab
+             "large": _load_request(keys_full, layout.layers, layout),    # a full slab
+             "small_blocks": _load_request(1, layout.layers, layout)}     # "small" by load_blocks
+    dest0 = layout.num_slots // 2
+
+    def loader(name: str, req: dict[int, Any]) -> Callable[[], Any]:
+        if name == "small_blocks":  # the same load through the block-major API
+            return partial(ep.load_blocks, PEER, [0], [dest0])
+        return partial(ep.load, req)
+
     out: dict[str, Any] = {}
     for name, req in cases.items():
+        load = loader(name, req)
         tune_channel(ep, PEER, streak=2, trimmed=False)
         zero_slots(ep.caches, req)
-        await ep.load(req)
+        await load()
         verified = check_loaded(ep.caches, req, expected) > 0
         for _ in range(min(o.warmup, 5)):
-            await ep.load(req)
+            await load()
         stages0 = await _stages(rig)
         times = []
         perf = time.perf_counter
         for _ in range(max(5, o.loads // 4) if name == "large" else o.loads):
             t = perf()
-            await ep.load(req)
+            await load()
             times.append(perf() - t)
         stages = _stages_since(stages0, await _stages(rig))
         zero_slots(ep.caches, req)
-        await ep.load(req)
+        await load()
         verified = verified and check_loaded(ep.caches, req, expected) > 0
         payload = sum(len(b) for b in req[PEER].values()) * layout.block_nbytes
         ref = seed_res["always_full" if name == "large" else "sustained_small"]["median_us"]
@@ -368,6 +378,52 @@ async def trace_loads(rig: Rig, o: BenchOptions, floors: dict[str, dict[str, flo
             "total_ms": total * 1e3, "floor_ms": floor_s * 1e3,
             "ratio_total_to_floor": total / floor_s, "bytes_verified": verified,
             "slots_checked": len(final), "stages": _stages_since(stages0, await _stages(rig))}
+
+
+async def load_timeline(o: BenchOptions) -> dict[str, Any]:
+    """One-hash loads, one at a time, with a :class:`~xavier_async.testing.timeline.Timeline`
+    in both processes (its own rig: the marks cost about a microsecond each): per side,
+    the load's busy time split into NIXL's calls, byte copies and Python host time, and
+    each stage's median, for ``load()`` and ``load_blocks()``; bytes checked."""
+    from ..testing.timeline import ENV, Timeline, host_time, load_timelines
+
+    timeline = Timeline().install()
+    old = os.environ.get(ENV)
+    os.environ[ENV] = "1"  # the peer process installs one too
+
+    async def body(rig: Rig) -> dict[str, Any]:
+        assert isinstance(rig, NixlRig)
+        ep, layout = rig.ep, rig.layout
+        req = _load_request(1, layout.layers, layout)
+        dest0 = layout.num_slots // 2
+        expected = {PEER: pattern_caches(layout, PEER, o.seed)}
+        mark_ns = timeline.mark_cost_ns()
+        out: dict[str, Any] = {}
+        for name, load in (("load", partial(ep.load, req)),
+                           ("load_blocks", partial(ep.load_blocks, PEER, [0], [dest0]))):
+            zero_slots(ep.caches, req)
+            for _ in range(max(20, min(o.warmup, 100))):
+                await load()
+            ok = check_loaded(ep.caches, req, expected) > 0
+            timeline.take()
+            await anyio.to_thread.run_sync(rig.peer.call, "timeline")
+            for _ in range(o.loads):
+                await load()
+            mine = timeline.take()
+            theirs = await anyio.to_thread.run_sync(rig.peer.call, "timeline")
+            out[name] = {**host_time(load_timelines(mine, theirs), mark_ns), "bytes_verified": ok,
+                         "mark_ns": mark_ns}
+        return out
+
+    try:
+        res: dict[str, Any] = await _with_rig(o, body)
+        return res
+    finally:
+        timeline.uninstall()
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
 
 
 def decision_cost(n: int = 20000) -> dict[str, float]:
@@ -637,6 +693,13 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         except Exception as exc:  # reported beside the loads; the other sections stand
             res["protocol_floor"] = {"error": f"{type(exc).__name__}: {exc}"}
         res["targets"].update(protocol_targets(res))
+    if o.load_timeline and o.transport == "nixl":
+        report("load timeline")
+        try:
+            res["load_timeline"] = await load_timeline(o)
+        except Exception as exc:  # reported in its table; the other sections stand
+            res["load_timeline"] = {"error": f"{type(exc).__name__}: {exc}"}
+        res["targets"].update(timeline_targets(res["load_timeline"]))
     if o.descriptors and o.transport == "nixl":
         # its own two processes, after our rig is closed (a quiet machine)
         from .descriptors import run_descriptors
@@ -714,6 +777,16 @@ def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def timeline_targets(lt: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Issue 24's host-time target: Python host time per one-hash load on each side (by
+    ``load_blocks``, the block-major API), at most 15 us."""
+    if "error" in lt or "load_blocks" not in lt:
+        return {}
+    b = lt["load_blocks"]
+    return {"host_python_us_receiver": target(b["receiver.python"], 15.0),
+            "host_python_us_source": target(b["source.python"], 15.0)}
+
+
 def protocol_targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Issue 24's load targets against the plain-Python protocol floor and the raw WRITE
     floors of the same run (none when the floor did not run)."""
@@ -723,6 +796,8 @@ def protocol_targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
     small, full = fl["small"]["median_us"], fl["full"]["median_us"]
     out = {"load_small_vs_protocol_floor": target(e2e["small"]["median_us"] /
                                                   pf["small"]["gather"]["median_us"], 1.2),
+           "load_blocks_small_vs_protocol_floor": target(
+               e2e["small_blocks"]["median_us"] / pf["small"]["gather"]["median_us"], 1.2),
            "load_small_vs_raw_small": target(e2e["small"]["median_us"] / small, 4.0),
            "load_one_layer_vs_raw_small": target(e2e["small_one_layer"]["median_us"] / small, 3.0)}
     large_limit = 1.5 if r["environment"].get("device") == "cuda" else 1.2

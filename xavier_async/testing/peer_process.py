@@ -23,6 +23,8 @@ from .._checks import env_flag
 from .child import ChildProcess, send_error, serve_commands
 from .hostprof import ENV as HOST_PROFILE_ENV
 from .hostprof import HostProfile
+from .timeline import ENV as TIMELINE_ENV
+from .timeline import Timeline
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "int8": torch.int8, "uint8": torch.uint8}
@@ -212,6 +214,7 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
     host_profile = None
     if env_flag(HOST_PROFILE_ENV):  # the bench's --serving-host-profile (strict: "0" is off)
         host_profile = HostProfile().install()
+    timeline = Timeline().install() if env_flag(TIMELINE_ENV) else None  # --load-timeline
 
     async def main() -> None:
         published = spec.layout.num_slots if spec.published is None else spec.published
@@ -301,7 +304,12 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                     host_profile.reset()
                 return out
 
+            async def marks(_: Any) -> list[Any] | None:
+                """The timeline's marks since the last call (None without one)."""
+                return None if timeline is None else timeline.take()
+
             await serve_commands(conn, {"connect": ep.connect, "load": load, "host_time": host_time,
+                                        "timeline": marks,
                                         "publish_blocks": publish_blocks,
                                         "recv_digest": recv_digest, "peers": peers,
                                         "metrics": metrics, "replay": replay,

@@ -462,13 +462,14 @@ class NixlTransport(Transport):
         return self._copies.wait(pending)
 
     async def send(self, peer: int, msg: bytes) -> None:
+        """Send a notification; it does not yield to the event loop (the caller awaits
+        its reply next, which does: a second pass through the loop cost a load ~10 us)."""
         p = self._peer(peer)
         self._copies.last_activity = time.monotonic()
         try:
             self._agent.send_notif(p.agent, msg)
         except Exception as exc:
             raise PeerLostError(f"cannot notify rank {peer}: {exc}") from exc
-        await anyio.lowlevel.checkpoint()
 
     async def _poll_loop(self) -> None:
         """Deliver NIXL notifications to the endpoint; spin while busy, nap while idle."""
