@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from xavier_async import (EndpointClosedError, EndpointConfig, IntegrityError, PeerLostError,
-                          XavierError)
+                          RemoteError, XavierError)
 
 from .conftest import (KiB, assert_same_bytes, cancel_and_wait, cancellable, cluster, faulty,
                        fenced_slabs, forming_groups, queued_at_source, random_cache, recv_pool,
@@ -773,3 +773,63 @@ async def test_a_lost_source_fails_every_member_with_its_own_error():
             b.transport.release_held()
         assert len(errors) == 4
         assert len({id(e) for e in errors}) == 4                 # each load its own exception
+
+
+@anyio_test
+async def test_the_batches_of_one_load_are_in_flight_together():
+    """A load of several batches (here four, 16 blocks of 1 KiB each in 16 KiB slabs) has
+    them all requested before the first is unpacked: several round trips at once, every
+    byte checked (large batches leave one slab to small ones: three at once here); with
+    one receive slab they take it in turn."""
+    for slabs, at_once in ((4, lambda n: n >= 2), (1, lambda n: n == 1)):
+        cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=slabs)
+        async with served(cfg, wrap={}) as (cs, (a, b)):
+            real, now, peak = a._receiver.round_trip, [0], [0]
+
+            async def counted(src, batch, lease):
+                now[0] += 1
+                peak[0] = max(peak[0], now[0])
+                try:
+                    await anyio.sleep(0.01)  # a copy that takes a while: the others start meanwhile
+                    return await real(src, batch, lease)
+                finally:
+                    now[0] -= 1
+
+            a._receiver.round_trip = counted  # type: ignore[method-assign]
+            request = req(1, list(range(64)), 0)
+            res = await a.load(request)
+            assert res.batches == 4 and res.blocks == 64
+            check(cs[0], cs, request)
+            assert at_once(peak[0]), (slabs, peak[0])
+            assert a._receiver._pipelining == set() and a._receiver._requested == set()
+
+
+@anyio_test
+async def test_a_failed_batch_spares_the_batches_already_requested():
+    """The third of four batches fails once two are requested: those two land and are
+    unpacked (the error carries them), and a batch not yet requested at that moment
+    stops (whichever it is: the count, not the timing, is checked)."""
+    cfg = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB, receive_slabs=3)
+    async with served(cfg, wrap={}) as (cs, (a, b)):
+        rx = a._receiver
+        real, entered, requested_then = rx.scheduler.load, [], []
+
+        async def refusing_the_third(src, batch):
+            entered.append(batch)
+            if len(entered) == 3:
+                await until(lambda: len(rx._requested) >= 2, "two batches requested")
+                requested_then.extend(x for x in entered if id(x) in rx._requested)
+                raise RemoteError("refused for the test")
+            return await real(src, batch)
+
+        rx.scheduler.load = refusing_the_third  # type: ignore[method-assign]
+        with pytest.raises(RemoteError, match="for the test") as info:
+            await a.load(req(1, list(range(64)), 0))
+        partial = info.value.partial  # type: ignore[attr-defined]
+        assert len(requested_then) >= 2
+        assert partial.batches >= len(requested_then) and partial.batches <= 3
+        for batch in requested_then:  # unpacked, not abandoned
+            for seg in batch.segments:
+                for key, slots in zip(seg.keys, seg.slots):
+                    assert_same_bytes(cs[0][0][slots[0]], cs[1][0][key])
+        assert a.recv_slab_stats["in_use"] == 0 and rx._requested == set()

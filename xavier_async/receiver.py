@@ -54,6 +54,26 @@ _UNPACK_SPIN_NS = 30_000
 OnTimeout = Callable[[int, PeerLostError], Any]
 
 
+class _Tally:
+    """What the batches of one load moved so far."""
+
+    __slots__ = ("done", "blocks", "useful", "wire", "dev", "host")
+
+    def __init__(self) -> None:
+        self.done = self.blocks = self.useful = self.wire = self.dev = self.host = 0
+
+    def add(self, batch: PlannedBatch, moved: Moved) -> None:
+        self.done += 1
+        self.blocks += batch.blocks
+        self.useful += batch.useful_bytes
+        self.wire += moved.wire_bytes
+        self.dev += moved.device_blocks
+        self.host += moved.host_blocks
+
+    def result(self, batches: int) -> LoadResult:
+        return LoadResult(batches, self.blocks, self.useful, self.wire, self.dev, self.host)
+
+
 class Receiver:
     """One endpoint's loads. ``on_timeout(src, error)`` is awaited when ``src`` did not
     complete a copy within ``request_timeout`` (the endpoint marks it lost and drops it)."""
@@ -66,6 +86,9 @@ class Receiver:
         self._planner = Planner(rt.caches.layout, rt.config.full_bytes)
         self.requests = RequestTable()
         self._recv: RecvSlabs[SlabRows] | None = None
+        #: batches of pipelined loads (ids, :meth:`_pipelined`), and those whose request is out
+        self._pipelining: set[int] = set()
+        self._requested: set[int] = set()
         #: per receive slab, the event of its last unpack (CUDA: reused only once it has run)
         self._unpacked: dict[int, torch.cuda.Event] = {}
         self.scheduler = BatchScheduler(self, rt.config, rt.metrics, rt.spawn, rt.rank)
@@ -129,9 +152,12 @@ class Receiver:
         rt.stages.plan.record(perf_counter_ns() - t0)
         rt.enter_work()
         rt.metrics.loads += 1
-        useful = wire = blocks = done = dev = host = 0
+        got = _Tally()
         try:
-            if len(planned) > 1:
+            if len(planned) == 1:
+                batch = planned[0]
+                got.add(batch, await self.scheduler.load(batch.src, batch))
+            else:
                 # several copies: every source confirms every key first, so that a refusal
                 # comes before any byte moves (one round trip, only for multi-batch loads)
                 wires: dict[int, list[Any]] = {}
@@ -139,25 +165,52 @@ class Receiver:
                     wires.setdefault(batch.src, []).extend(batch.wire())
                 for src, items in wires.items():
                     await self._probe(src, items)
-            load_batch = self.scheduler.load
-            for batch in planned:
-                moved = await load_batch(batch.src, batch)
-                wire += moved.wire_bytes
-                dev += moved.device_blocks
-                host += moved.host_blocks
-                useful += batch.useful_bytes
-                blocks += batch.blocks
-                done += 1
+                await self._pipelined(planned, got)
         except XavierError as exc:
-            if done:
-                exc.add_note(f"{done} of {len(planned)} batches ({blocks} blocks, {useful} B) of "
-                             "this load were already written into their slots")
-                exc.partial = LoadResult(done, blocks, useful, wire, dev, host)  # type: ignore[attr-defined]
+            if got.done:
+                exc.add_note(f"{got.done} of {len(planned)} batches ({got.blocks} blocks, "
+                             f"{got.useful} B) of this load were already written into their slots")
+                exc.partial = got.result(got.done)  # type: ignore[attr-defined]
             raise
         finally:
             rt.leave_work()
         rt.stages.total.record(perf_counter_ns() - t0)
-        return LoadResult(len(planned), blocks, useful, wire, dev, host)
+        return got.result(len(planned))
+
+    async def _pipelined(self, planned: list[PlannedBatch], got: _Tally) -> None:
+        """Every batch of a load at once, each through the scheduler: they take receive
+        slabs in turn, so the copy of one overlaps the unpack of the one before (and, with
+        several sources, their copies overlap). The first failure stops the batches not
+        yet requested; those requested finish their copy (shielded) and are not unpacked;
+        it is raised once every batch has stopped."""
+        load_batch = self.scheduler.load
+        failed: list[BaseException] = []
+        cancelled = anyio.get_cancelled_exc_class()
+        scopes = {id(batch): anyio.CancelScope() for batch in planned}
+        self._pipelining.update(scopes)
+
+        async def one(batch: PlannedBatch) -> None:
+            try:
+                with scopes[id(batch)]:
+                    got.add(batch, await load_batch(batch.src, batch))
+            except cancelled:
+                raise
+            except BaseException as exc:  # the first failure is the load's
+                if not failed:
+                    failed.append(exc)
+                for key, scope in scopes.items():  # the batches not requested yet stop
+                    if key not in self._requested:
+                        scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for batch in planned:
+                    tg.start_soon(one, batch)
+        finally:
+            self._pipelining.difference_update(scopes)
+            self._requested.difference_update(scopes)
+        if failed:
+            raise failed[0]
 
     async def _probe(self, src: int, items: list[Any]) -> None:
         """Ask ``src`` whether every key in ``items`` is published (nothing is written)."""
@@ -303,6 +356,8 @@ class Receiver:
 
             async def request() -> None:
                 nonlocal sent
+                if id(batch) in self._pipelining:  # a pipelined load's failure spares it
+                    self._requested.add(id(batch))
                 t_post = sent = perf_counter_ns()
                 try:
                     await rt.transport.send(src, msg)
