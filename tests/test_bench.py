@@ -114,8 +114,13 @@ def test_serving_section_checks_every_load_and_registers_nothing_after_warm_up(r
     assert s["trace"]["loads"] == o.trace_batches and s["trace"]["large"] == o.trace_large
     for name, r in s["runs"].items():
         assert r["bytes_checked"]["ok"]
-        assert r["bytes_checked"]["loads"] == sum(len(p) for p in phases.values())
-        assert r["bytes_checked"]["blocks"] == sum(x.blocks for p in phases.values() for x in p)
+        # every phase, and the mixed trace again open loop (Poisson arrivals)
+        assert r["bytes_checked"]["loads"] == sum(len(p) for p in phases.values()) + len(phases["mixed"])
+        assert r["bytes_checked"]["blocks"] == sum(x.blocks for p in [*phases.values(), phases["mixed"]]
+                                                   for x in p)
+        ol = r["open_loop"]
+        assert ol["rate_per_s"] > 0 and ol["small"]["n"] == sum(not x.large for x in phases["mixed"])
+        assert ol["small_p99_over_unloaded_p50"] > 0 and r["concurrent_small"]["vs_one_at_a_time"] > 0
         assert r["registrations_after_warmup"] == {"loader": 0, "source1": 0, "source2": 0}, name
         assert set(r["rss_growth_bytes"]) == {"loader", "source1", "source2"}
         assert r["unloaded_small"]["n"] == len(phases["unloaded"])
@@ -168,8 +173,10 @@ def test_duplex_serving_checks_both_directions_and_registers_nothing_after_warm_
         assert r["topology"] == "duplex"
         for side, phases, rounds in ((r, mine, [rd[name] for rd in s["round_runs"]]),
                                      (r["peer"], theirs, [rd[name]["peer"] for rd in s["round_runs"]])):
-            checked = {"loads": sum(len(p) for p in phases.values()),
-                       "blocks": sum(x.blocks for p in phases.values() for x in p), "ok": True}
+            # rank 0 runs the mixed trace again open loop (Poisson arrivals), alone
+            every = [*phases.values(), *([phases["mixed"]] if side is r else [])]
+            checked = {"loads": sum(len(p) for p in every),
+                       "blocks": sum(x.blocks for p in every for x in p), "ok": True}
             assert [x["bytes_checked"] for x in rounds] == [checked] * 2, name  # every round's
             assert side["bytes_checked"] == {"loads": 2 * checked["loads"],  # summed over them
                                              "blocks": 2 * checked["blocks"], "ok": True}, name

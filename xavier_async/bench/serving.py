@@ -60,7 +60,7 @@ from ..testing.devices import peer_device
 from ..testing.hostprof import ENV as HOST_PROFILE_ENV
 from ..testing.hostprof import HostProfile
 from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requests, pattern_caches, \
-    replay_loads, split_caches, zero_caches
+    replay_loads, replay_open_loop, split_caches, zero_caches
 from .raw import RAW_COPIES, raw_floor
 from .soak import _rss_kib
 from .common import BenchOptions, bench_layout, make_trace, nearest_rank, stats, target
@@ -265,10 +265,13 @@ class Phases:
 
     async def run(self, loads: Sequence[Load], concurrency: int,
                   peer_loads: Sequence[Load] | None = None,
-                  replayed: Callable[[], Awaitable[None]] | None = None) -> tuple[Timing, Timing | None]:
+                  replayed: Callable[[], Awaitable[None]] | None = None,
+                  rate: float | None = None) -> tuple[Timing, Timing | None]:
         """This side's timing and (with ``peer_loads``) the peer's, both sides' loads in
         flight at once; an empty ``loads`` runs the peer's alone. ``replayed`` is awaited
-        once both sides are done, before the bytes are checked."""
+        once both sides are done, before the bytes are checked. With ``rate``, this
+        side's loads arrive open loop (Poisson, ``rate`` per second) instead of through
+        ``concurrency`` workers."""
         reqs = requests_for(loads, self.base)
         theirs: list[Timing] = []
 
@@ -281,7 +284,12 @@ class Phases:
                 assert self.peer is not None, "peer loads need a peer"
                 # the same destination layout on the peer: its loads land from ``base`` up
                 tg.start_soon(peer_side, self.peer, requests_for(peer_loads, self.base))
-            mine = await replay(self.ep, reqs, concurrency) if reqs else ([], 0.0)
+            if not reqs:
+                mine: Timing = ([], 0.0)
+            elif rate is not None:
+                mine = await replay_open_loop(self.ep, reqs, rate, seed=len(reqs))
+            else:
+                mine = await replay(self.ep, reqs, concurrency)
         if replayed is not None:
             await replayed()
         self.blocks_checked += check_phase(self.ep.caches, reqs, self.expected)
@@ -420,6 +428,10 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
                                 for proc in after}
                 if pt is not None:
                     peer_t[name] = pt
+            # the mixed trace again, open loop: Poisson arrivals at half the rate it ran at
+            # closed loop above (issue 24's latency under load)
+            rate = 0.5 * len(phases["mixed"]) / mine["mixed"][1]
+            mine["open_loop"], _ = await ph.run(phases["mixed"], CONCURRENCY, rate=rate)
             regs1, mem1 = await registrations(), rss()
     full_rate = o.full_bytes / (floor["median_us"] * 1e-6)
     out = {**slab_counts(cfg), "topology": "duplex" if duplex else "three",
@@ -427,6 +439,14 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
            **side_figures(phases, mine, src_layout)}
     ls = out["large_stream"]
     ls["vs_raw_full_copy"] = ls["useful_bytes"] / ls["seconds"] / full_rate
+    open_lat = [x for x, load in zip(mine["open_loop"][0], phases["mixed"]) if not load.large]
+    out["open_loop"] = {"rate_per_s": rate, "loads": len(phases["mixed"]),
+                        "small": percentiles(open_lat),
+                        "small_p99_over_unloaded_p50":
+                            percentiles(open_lat)["p99_us"] / out["unloaded_small"]["p50_us"]}
+    # 16 small loads in flight against one at a time (the unloaded phase's p50 per load)
+    out["concurrent_small"]["vs_one_at_a_time"] = (
+        out["concurrent_small"]["loads_per_s"] * out["unloaded_small"]["p50_us"] * 1e-6)
     out.update({
         "registrations_after_warmup": {name: regs1[name] - regs0[name] for name in regs0},
         "rss_growth_bytes": {name: (mem1[name] - mem0[name]) * 1024 for name in pids},
@@ -579,6 +599,12 @@ def serving_targets(s: dict[str, Any], full_bytes: int) -> dict[str, dict[str, A
         "concurrent_small_loads_per_s_vs_seed": target(s["concurrent_small_default_over_seed"], 3.0,
                                                        le=False),
         "large_stream_vs_raw_full_copy": target(d["large_stream"]["vs_raw_full_copy"], 0.70, le=False),
+        # issue 24: open-loop Poisson arrivals at half the measured rate, and 16 in flight
+        # against one at a time (the latter needs >= 8 cores to mean anything)
+        "small_p99_open_loop_half_rate_vs_unloaded_p50": target(
+            d["open_loop"]["small_p99_over_unloaded_p50"], 3.0),
+        "concurrent_small_vs_one_at_a_time": target(d["concurrent_small"]["vs_one_at_a_time"], 3.0,
+                                                    le=False),
         "serving_registrations_after_warmup": target(
             max(v for r in runs for v in r["registrations_after_warmup"].values()), 0),
         # flat: less than one full slab over all phases, in every process
@@ -614,6 +640,12 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
         row("mixed loads/s", lambda r: r["mixed"]["loads_per_s"], "{:.0f}"),
         row(f"{s['concurrency']} concurrent small: loads/s", lambda r: r["concurrent_small"]["loads_per_s"],
             "{:.0f}"),
+        row(f"{s['concurrency']} concurrent small / one at a time",
+            lambda r: r["concurrent_small"]["vs_one_at_a_time"], "{:.2f}"),
+        row("open loop (mixed, Poisson at half its rate): small p99 (us)",
+            lambda r: r["open_loop"]["small"]["p99_us"]),
+        row("open loop small p99 / p50 unloaded", lambda r: r["open_loop"]["small_p99_over_unloaded_p50"],
+            "{:.2f}"),
         row("large stream useful GB/s", lambda r: r["large_stream"]["useful_gbps"], "{:.3f}"),
         row("raw NIXL full copy GB/s", lambda r: r["raw_full_copy"]["gbps"], "{:.3f}"),
         row("large stream / raw full copy", lambda r: r["large_stream"]["vs_raw_full_copy"], "{:.2f}"),
@@ -663,7 +695,8 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
              ["target", "value", "limit", ""] + (["rounds: least - most"] if spread else []))]
 
 
-_AT_LEAST = {"concurrent_small_loads_per_s_vs_seed", "large_stream_vs_raw_full_copy", "serving_bytes_checked"}
+_AT_LEAST = {"concurrent_small_loads_per_s_vs_seed", "large_stream_vs_raw_full_copy", "serving_bytes_checked",
+             "concurrent_small_vs_one_at_a_time"}
 
 
 def plot_serving(ax: Any, s: dict[str, Any]) -> None:

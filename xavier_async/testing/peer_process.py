@@ -136,6 +136,38 @@ async def replay_loads(ep: Any, requests: Sequence[Any], concurrency: int) -> tu
     return lat, perf() - t0
 
 
+async def replay_open_loop(ep: Any, requests: Sequence[Any], rate: float,
+                           seed: int = 0) -> tuple[list[float], float]:
+    """Run the requests on ``ep`` open loop: request ``i`` starts at its arrival time, the
+    arrivals a Poisson process of ``rate`` per second (seeded), whether or not the loads
+    before it are done. Per-load seconds from its arrival to its end (queueing included:
+    a late start counts), and the wall time."""
+    import random
+
+    import anyio
+
+    rng = random.Random(seed)
+    at, t = [], 0.0
+    for _ in requests:
+        t += rng.expovariate(rate)
+        at.append(t)
+    lat = [0.0] * len(requests)
+    perf = time.perf_counter
+
+    async def one(i: int, t0: float) -> None:
+        await ep.load(requests[i])
+        lat[i] = perf() - (t0 + at[i])
+
+    t0 = perf()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(requests)):
+            delay = t0 + at[i] - perf()
+            if delay > 0:
+                await anyio.sleep(delay)
+            tg.start_soon(one, i, t0)
+    return lat, perf() - t0
+
+
 def split_caches(spec: LayoutSpec, published: int, rank: int, seed: int, device: str | torch.device = "cpu",
                  ) -> dict[int, torch.Tensor]:
     """Caches of ``spec.num_slots`` slots: the low ``published`` hold
