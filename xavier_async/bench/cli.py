@@ -484,7 +484,7 @@ def _timeline_rows(lt: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]
     return (f"Load timeline: one-hash loads one at a time, every stage marked in both processes "
             f"(medians over {n} loads, us). busy: the receiver's load less its wait for the "
             f"reply, the source's handling; python: busy less NIXL's calls (nixl), byte copies "
-            f"(copy) and the marks' own cost (marking: {mark / 1e3:.2f} us a marked call, "
+            f"(copy: memmoves on the CPU, waits for the copy kernels on CUDA) and the marks' own cost (marking: {mark / 1e3:.2f} us a marked call, "
             f"measured)", rows, ["span", *apis])
 
 
