@@ -5,7 +5,7 @@ from a peer, or nothing yet). Each step takes every decoding request's next toke
 prefill chunks of the others, first come first served, until ``step_tokens`` rows; the
 model runs the step on its own thread (:class:`~xavier_async.demo.model.PagedModel`), so
 the event loop stays free for transfers meanwhile: a request whose prefix is still being
-loaded (``await endpoint.load(...)`` in its own task) never holds the others up, and joins
+loaded (``await endpoint.load_blocks(...)`` in its own task) never holds the others up, and joins
 the next step after its load returns. This is the shape of a serving engine's scheduler
 (vLLM's chunked prefill), reduced to what the demo needs.
 

@@ -205,7 +205,7 @@ class Replica:
                        first_load: Any, side: Any) -> tuple[dict[str, Any], Request | None]:
         import anyio
 
-        from .. import ALL_LAYERS, XavierError
+        from .. import XavierError
         rid = str(req["id"])
         tokens: list[int] = req["tokens"]
         hashes: list[str] = req["hashes"] if mode == "cold" else req.get("hits", [])
@@ -221,13 +221,14 @@ class Replica:
         computed = 0
         try:
             if mode == "load" and hashes:
-                request = {req["source"]: {ALL_LAYERS: dict(zip(hashes, slots))}}
                 try:
                     with anyio.CancelScope() as scope:
                         if cancel:  # cancelled mid-load: the load is under way when this fires
                             side.start_soon(self._cancel_soon, scope)
                         first_load.set()
-                        loaded = await self.ep.load(request)
+                        # the prefix blocks, every layer: hashes[i] into slots[i]
+                        loaded = await self.ep.load_blocks(req["source"], hashes,
+                                                           slots[:len(hashes)])
                     if scope.cancelled_caught:
                         out["cancelled"] = True
                         out["latency_s"] = time.perf_counter() - t0

@@ -41,6 +41,7 @@ FUNCTIONS: tuple[tuple[str, str, str], ...] = (
     ("xavier_async.source", "pack", "copy"),
     ("xavier_async.receiver", "unpack", "unpack"),
     ("xavier_async.packing", "run_host", "copy"),
+    ("xavier_async.packing", "DeviceRuns.run", "launch"),
     ("xavier_async.planning", "Planner.plan", "plan"),
 )
 #: coroutine methods marked at entry and exit
