@@ -49,6 +49,8 @@ COROUTINES: tuple[tuple[str, str, str], ...] = (
     ("xavier_async.receiver", "Receiver.load", "load"),
     ("xavier_async.receiver", "Receiver.load_blocks", "load"),
     ("xavier_async.receiver", "Receiver.round_trip", "round_trip"),
+    # the unpack and, on CUDA, the wait for its kernel (polled through the event loop)
+    ("xavier_async.receiver", "Receiver._unpack", "unpack.all"),
 )
 #: the NIXL agent's methods marked (on each agent made while installed)
 AGENT_METHODS = ("transfer", "send_notif", "get_new_notifs", "check_xfer_state")
@@ -213,6 +215,40 @@ def _spans(marks: Sequence[tuple[int, str]], side: str) -> dict[str, int]:
     return dict(out)
 
 
+def _device_waits(marks: Sequence[tuple[int, str]], side: str) -> int:
+    """Time one side waited for the device: its ``device.wait`` spans, and (the receiver)
+    what its unpack took beyond the ``unpack`` call itself (launching the kernel): the
+    polls of the unpack's event, the event loop's passes between them included."""
+    total = 0
+    inside = 0  # depth inside unpack.all
+    unpack_all = unpack_call = 0
+    polled = False  # the unpack waited for an event (CUDA): its loop's passes are waiting
+    opened: dict[str, int] = {}
+    for t, g in marks:
+        if not g.startswith(side):
+            continue
+        tag, edge = g[len(side):-1], g[-1]
+        if edge == ">":
+            if tag == "unpack.all":
+                inside += 1
+            opened.setdefault(tag, t)
+            continue
+        start = opened.pop(tag, None)
+        if start is None:
+            continue
+        if tag == "unpack.all":
+            inside -= 1
+            unpack_all += t - start
+        elif tag == "unpack" and inside:
+            unpack_call += t - start
+        elif tag == "device.wait":
+            if inside:
+                polled = True
+            else:
+                total += t - start
+    return total + (max(0, unpack_all - unpack_call) if polled else 0)
+
+
 def host_time(timelines: Sequence[Sequence[tuple[int, str]]], mark_ns: float = 0.0,
               ) -> dict[str, Any]:
     """Per side, medians over the loads in microseconds: ``busy`` (the receiver: its load
@@ -237,7 +273,7 @@ def host_time(timelines: Sequence[Sequence[tuple[int, str]]], mark_ns: float = 0
         s_busy = s.get("handle", 0) + s.get("agent.get_new_notifs", 0)
         for side, prefix, spans, busy in (("receiver", "R.", r, r_busy), ("source", "S.", s, s_busy)):
             nixl = sum(v for k, v in spans.items() if k.startswith("agent."))
-            copies = spans.get("copy", 0) + spans.get("device.wait", 0)
+            copies = spans.get("copy", 0) + _device_waits(tl, prefix)
             marking = mark_ns * sum(1 for _, g in tl if g.startswith(prefix)) / 2
             add(f"{side}.busy", busy)
             add(f"{side}.nixl", nixl)
