@@ -246,11 +246,8 @@ def unpack_table(slab_ptr: int, batch: Any, caches: CacheTable) -> RunTable:
         slots = batch.slots
         if len(slots) == 1:  # one block hash: one run per layer
             slot = slots[0]
-            for layer, o, bn in zip(shape.layers, shape.offsets, shape.block_nbytes):
-                dst.append(base[layer] + slot * bn)
-                src.append(slab_ptr + o)
-                ns.append(bn)
-            return dst, src, ns
+            return ([base[layer] + slot * bn for layer, bn in zip(shape.layers, shape.block_nbytes)],
+                    [slab_ptr + o for o in shape.offsets], list(shape.block_nbytes))
         if len(set(shape.starts)) == 1 and len(set(shape.counts)) == 1:
             s0, c0 = shape.starts[0], shape.counts[0]
             same = _slot_runs(slots[s0:s0 + c0])

@@ -392,7 +392,8 @@ class Planner:
             if isinstance(layers, (str, bytes)):
                 raise InvalidRequestError(f"layers must be a collection of layer ids, got {layers!r}")
             request = {layer: blocks for layer in layers}
-        return self.plan({src: request})
+        fast = self._uniform(src, request)  # (what plan() tries first)
+        return fast if fast is not None else self.plan({src: request})
 
     def _uniform(self, src: Any, layers: Any) -> list[PlannedBatch] | None:
         if type(src) is not int or src < 0 or type(layers) is not dict or not layers:

@@ -41,7 +41,7 @@ from .protocol import Error, Landed, PendingRequest, Probe, RequestTable, load_w
 from .recvslabs import Lease, RecvSlabs
 from .runtime import Runtime
 from .scheduling import BatchScheduler
-from .shielded import landing
+from .shielded import Landing, landing, landing_factory
 from .slabs import Slab, allocate_slab, payload_digest
 
 log = logging.getLogger("xavier_async")
@@ -92,10 +92,14 @@ class Receiver:
         #: per receive slab, the event of its last unpack (CUDA: reused only once it has run)
         self._unpacked: dict[int, torch.cuda.Event] = {}
         self.scheduler = BatchScheduler(self, rt.config, rt.metrics, rt.spawn, rt.rank)
+        #: makes a round trip's Landing (for the running backend, chosen at start)
+        self._landing: Callable[[], Landing] = landing
 
     def start(self, slabs: list[Slab]) -> None:
-        """Take the receive slabs (registered by the endpoint's start)."""
+        """Take the receive slabs (registered by the endpoint's start; on its event loop,
+        whose backend picks how a round trip waits for its reply)."""
         self._recv = RecvSlabs(slabs, self._rows_of)
+        self._landing = landing_factory()
 
     def _rows_of(self, slab: Slab) -> SlabRows:
         """A receive slab's unpack table (made once, when the slab joins)."""
@@ -144,7 +148,7 @@ class Receiver:
     async def _run(self, planned: list[PlannedBatch], t0: int) -> LoadResult:
         """Check the sources, then probe (several batches) and carry every batch."""
         rt = self._rt
-        for src in dict.fromkeys(b.src for b in planned):
+        for src in ((planned[0].src,) if len(planned) == 1 else dict.fromkeys(b.src for b in planned)):
             if src == rt.rank:
                 raise InvalidRequestError(f"rank {src} cannot load from itself")
             if self._peers.connected(src) is None:
@@ -344,7 +348,7 @@ class Receiver:
             except PeerLostError as exc:  # it did not acknowledge the slab in time: as
                 await self._on_timeout(src, exc)  # unresponsive as a request timing out
                 raise
-        landed = landing()
+        landed = self._landing()
         req = self.requests.open(src, landed.set)
         timeout = self._config.request_timeout
         try:

@@ -128,6 +128,16 @@ class _AsyncioLanding(Landing):
         return held
 
 
+def landing_factory() -> Callable[[], Landing]:
+    """What makes a :class:`Landing` on the running event loop from now on (decided once:
+    a receiver keeps it)."""
+    one = landing()
+    if isinstance(one, _AsyncioLanding):
+        loop = one._loop
+        return lambda: _AsyncioLanding(loop)
+    return Landing
+
+
 def landing() -> Landing:
     """A :class:`Landing` for the running event loop's backend."""
     try:
