@@ -513,6 +513,9 @@ class _EvictedSource:
         await anyio.lowlevel.checkpoint()
         raise RemoteError("block key(s) ['h0'] not published in layer 0")
 
+    async def load_blocks(self, peer: int, keys: list, slots: list) -> None:
+        await self.load({peer: {"all": dict(zip(keys, slots))}})
+
 
 def test_a_load_of_a_block_evicted_after_routing_falls_back_to_recomputation(one_thread):
     """The directory said the source held the prefix, the store evicted it before the

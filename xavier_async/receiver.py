@@ -207,9 +207,11 @@ class Receiver:
                         scope.cancel()
 
         try:
-            async with anyio.create_task_group() as tg:
+            # the load's own task group: its tasks end before the load returns, and each
+            # catches everything but a cancellation (tests/test_architecture.py)
+            async with anyio.create_task_group() as batches:
                 for batch in planned:
-                    tg.start_soon(one, batch)
+                    batches.start_soon(one, batch)
         finally:
             self._pipelining.difference_update(scopes)
             self._requested.difference_update(scopes)
