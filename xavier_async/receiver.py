@@ -185,8 +185,9 @@ class Receiver:
         """Every batch of a load at once, each through the scheduler: they take receive
         slabs in turn, so the copy of one overlaps the unpack of the one before (and, with
         several sources, their copies overlap). The first failure stops the batches not
-        yet requested; those requested finish their copy (shielded) and are not unpacked;
-        it is raised once every batch has stopped."""
+        yet requested (they take nothing); those already requested finish and are
+        unpacked (the error's partial result counts them); it is raised once every batch
+        has stopped."""
         load_batch = self.scheduler.load
         failed: list[BaseException] = []
         cancelled = anyio.get_cancelled_exc_class()
