@@ -202,35 +202,23 @@ def _getter(keys: tuple[BlockKey, ...]) -> Callable[[Mapping[BlockKey, int]], An
 
 def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]],
              ) -> list[Sequence[int]] | Refuse:
-    """Source slots of every segment's keys, or a refusal naming the unpublished ones."""
-    if load.block is not None and load._segments is None:  # every layer: the same keys
-        layers, bkeys = load.block[0], load.block[1]
-        get_all = _getter(bkeys)
-        empty: Mapping[BlockKey, int] = {}
-        try:
-            return [get_all(published.get(layer, empty)) for layer in layers]
-        except (KeyError, TypeError):
-            for layer in layers:
-                table = published.get(layer, empty)
-                missing = [k for k in bkeys if k not in table]
-                if missing:
-                    return Refuse(load.req_id, InvalidRequestError(
-                        f"block key(s) {missing[:4]!r} not published in layer {layer!r}"))
-            raise  # pragma: no cover - a lookup failed, yet every key is there
+    """Source slots of every segment's keys, or a refusal naming the unpublished ones (a
+    block load's segments are read unbuilt: :meth:`ParsedLoad.segment_items`)."""
     slot_lists: list[Sequence[int]] = []
     keys: tuple[BlockKey, ...] | None = None
     get: Callable[[Mapping[BlockKey, int]], Any] = _no_slots
-    for seg in load.segments:
-        table = published.get(seg.layer, {})
-        if seg.keys is not keys:  # (segments that repeat the previous keys share them)
-            keys = seg.keys
+    empty: Mapping[BlockKey, int] = {}
+    for layer, seg_keys, _, _, _ in load.segment_items():
+        table = published.get(layer, empty)
+        if seg_keys is not keys:  # (segments that repeat the previous keys share them)
+            keys = seg_keys
             get = _getter(keys)
         try:
             slot_lists.append(get(table))  # one C call for every key of the segment
         except (KeyError, TypeError):  # unknown or unhashable keys
-            missing = [k for k in seg.keys if not isinstance(k, (int, str, bytes)) or k not in table]
+            missing = [k for k in seg_keys if not isinstance(k, (int, str, bytes)) or k not in table]
             return Refuse(load.req_id, InvalidRequestError(
-                f"block key(s) {missing[:4]!r} not published in layer {seg.layer!r}"))
+                f"block key(s) {missing[:4]!r} not published in layer {layer!r}"))
     return slot_lists
 
 
