@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import anyio
 
@@ -130,20 +131,16 @@ class _AsyncioLanding(Landing):
 
 def landing_factory() -> Callable[[], Landing]:
     """What makes a :class:`Landing` on the running event loop from now on (decided once:
-    a receiver keeps it)."""
-    one = landing()
-    if isinstance(one, _AsyncioLanding):
-        loop = one._loop
-        return lambda: _AsyncioLanding(loop)
-    return Landing
+    a receiver keeps it): on asyncio the cheap form, bound to the loop."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio (trio)
+        return Landing
+    if asyncio.current_task() is None:  # pragma: no cover - a loop, but not our task's
+        return Landing
+    return partial(_AsyncioLanding, loop)
 
 
 def landing() -> Landing:
     """A :class:`Landing` for the running event loop's backend."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # not asyncio (trio)
-        return Landing()
-    if asyncio.current_task() is None:  # pragma: no cover - a loop, but not our task's
-        return Landing()
-    return _AsyncioLanding(loop)
+    return landing_factory()()
