@@ -252,13 +252,16 @@ class PlannedBatch:
     ``shape`` says which of them each segment takes. For other requests ``shape`` is None
     and :attr:`segments` comes from :func:`plan_batches`."""
 
-    __slots__ = ("src", "shape", "keys", "slots", "nbytes", "_segments")
+    __slots__ = ("src", "shape", "keys", "slots", "nbytes", "_segments", "requested")
 
     def __init__(self, src: int, shape: BatchShape | None, keys: tuple[BlockKey, ...],
                  slots: tuple[int, ...], nbytes: int,
                  segments: tuple[Segment, ...] | None = None) -> None:
         self.src, self.shape, self.keys, self.slots, self.nbytes = src, shape, keys, slots, nbytes
         self._segments = segments
+        #: the receiver has sent this batch's own request (a failure in another batch of
+        #: its load then lets it finish: ``Receiver._pipelined``)
+        self.requested = False
 
     @classmethod
     def of(cls, src: int, batch: Batch) -> PlannedBatch:
@@ -358,6 +361,10 @@ class Planner:
                 fast = self._uniform(src, layers)
                 if fast is not None:
                     return fast
+        return self._general(requests)
+
+    def _general(self, requests: LoadRequest | Iterable[LoadRequest]) -> list[PlannedBatch]:
+        """:func:`normalize` and :func:`plan_batches`: every request, every error."""
         plans = normalize(requests, self.layout)
         return [PlannedBatch.of(src, b) for src, plan in plans.items()
                 for b in plan_batches(plan, self.layout, self.full_bytes)]
@@ -392,8 +399,8 @@ class Planner:
             if isinstance(layers, (str, bytes)):
                 raise InvalidRequestError(f"layers must be a collection of layer ids, got {layers!r}")
             request = {layer: blocks for layer in layers}
-        fast = self._uniform(src, request)  # (what plan() tries first)
-        return fast if fast is not None else self.plan({src: request})
+        fast = self._uniform(src, request)
+        return fast if fast is not None else self._general({src: request})
 
     def _uniform(self, src: Any, layers: Any) -> list[PlannedBatch] | None:
         if type(src) is not int or src < 0 or type(layers) is not dict or not layers:

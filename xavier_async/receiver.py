@@ -86,9 +86,6 @@ class Receiver:
         self._planner = Planner(rt.caches.layout, rt.config.full_bytes)
         self.requests = RequestTable()
         self._recv: RecvSlabs[SlabRows] | None = None
-        #: batches of pipelined loads (ids, :meth:`_pipelined`), and those whose request is out
-        self._pipelining: set[int] = set()
-        self._requested: set[int] = set()
         #: per receive slab, the event of its last unpack (CUDA: reused only once it has run)
         self._unpacked: dict[int, torch.cuda.Event] = {}
         self.scheduler = BatchScheduler(self, rt.config, rt.metrics, rt.spawn, rt.rank)
@@ -191,31 +188,26 @@ class Receiver:
         load_batch = self.scheduler.load
         failed: list[BaseException] = []
         cancelled = anyio.get_cancelled_exc_class()
-        scopes = {id(batch): anyio.CancelScope() for batch in planned}
-        self._pipelining.update(scopes)
+        scopes = [anyio.CancelScope() for _ in planned]
 
-        async def one(batch: PlannedBatch) -> None:
+        async def one(batch: PlannedBatch, scope: anyio.CancelScope) -> None:
             try:
-                with scopes[id(batch)]:
+                with scope:
                     got.add(batch, await load_batch(batch.src, batch))
             except cancelled:
                 raise
             except BaseException as exc:  # the first failure is the load's
                 if not failed:
                     failed.append(exc)
-                for key, scope in scopes.items():  # the batches not requested yet stop
-                    if key not in self._requested:
-                        scope.cancel()
+                for other, its_scope in zip(planned, scopes):  # those not requested yet stop
+                    if not other.requested:
+                        its_scope.cancel()
 
-        try:
-            # the load's own task group: its tasks end before the load returns, and each
-            # catches everything but a cancellation (tests/test_architecture.py)
-            async with anyio.create_task_group() as batches:
-                for batch in planned:
-                    batches.start_soon(one, batch)
-        finally:
-            self._pipelining.difference_update(scopes)
-            self._requested.difference_update(scopes)
+        # the load's own task group: its tasks end before the load returns, and each
+        # catches everything but a cancellation (tests/test_architecture.py)
+        async with anyio.create_task_group() as batches:
+            for batch, scope in zip(planned, scopes):
+                batches.start_soon(one, batch, scope)
         if failed:
             raise failed[0]
 
@@ -363,8 +355,8 @@ class Receiver:
 
             async def request() -> None:
                 nonlocal sent
-                if id(batch) in self._pipelining:  # a pipelined load's failure spares it
-                    self._requested.add(id(batch))
+                if isinstance(batch, PlannedBatch):  # a failure in its load spares it now
+                    batch.requested = True
                 t_post = sent = perf_counter_ns()
                 try:
                     await rt.transport.send(src, msg)
