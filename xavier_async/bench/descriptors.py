@@ -62,6 +62,17 @@ class Shape:
         return len(self.slots) * len(self.layers)
 
 
+def runs_of_slots(n: int, run: int, rng: random.Random) -> tuple[str, tuple[int, ...]]:
+    """``n`` slots in runs of ``run`` consecutive ones with a gap after each, the runs in
+    shuffled order, and the shape's name (1: scattered, ``n``: consecutive)."""
+    starts = list(range(0, 2 * n, 2 * run))[: -(-n // run)]
+    rng.shuffle(starts)
+    slots = tuple(s + i for s in starts for i in range(run))[:n]
+    name = (f"{n} hashes consecutive" if run == n else
+            f"{n} hashes scattered" if run == 1 else f"{n} hashes in runs of {run}")
+    return name, slots
+
+
 def shapes(layout: LayoutSpec, full_bytes: int, seed: int = 0) -> list[Shape]:
     """One hash x all layers, one layer block, then ``n`` hashes x all layers (``n`` = 64,
     or as many as fit the slab) in runs of 1 (scattered), 4, 16 and ``n`` consecutive slots."""
@@ -73,12 +84,7 @@ def shapes(layout: LayoutSpec, full_bytes: int, seed: int = 0) -> list[Shape]:
     for run in sorted({1, 4, 16, n}):
         if run > n:
             continue
-        # runs of `run` consecutive slots with a gap after each, in shuffled order
-        starts = list(range(0, 2 * n, 2 * run))[: -(-n // run)]
-        rng.shuffle(starts)
-        slots = tuple(s + i for s in starts for i in range(run))[:n]
-        name = (f"{n} hashes consecutive" if run == n else
-                f"{n} hashes scattered" if run == 1 else f"{n} hashes in runs of {run}")
+        name, slots = runs_of_slots(n, run, rng)
         out.append(Shape(name, slots, layers, run))
     return out
 

@@ -55,7 +55,7 @@ from ..snapshots import StoreTable
 from ..testing.devices import gpu_facts, peer_device
 from ..testing.peer_process import DTYPES, LayoutSpec, digest
 from .common import bench_layout, stats
-from .descriptors import _Peer, transfer_to_done
+from .descriptors import _Peer, runs_of_slots, transfer_to_done
 
 #: the paths timed per shape (``raw``: the floor, a WRITE of the same bytes, nothing gathered)
 POOL_PATHS = ("raw", "gather", "direct", "direct_cached")
@@ -106,11 +106,7 @@ def pool_shapes(layout: LayoutSpec, full_bytes: int, seed: int = 0) -> list[Pool
     for run in sorted({1, 4, 16, n}):
         if run > n:
             continue
-        starts = list(range(0, 2 * n, 2 * run))[: -(-n // run)]
-        rng.shuffle(starts)
-        slots = tuple(s + i for s in starts for i in range(run))[:n]
-        name = (f"{n} hashes consecutive" if run == n else
-                f"{n} hashes scattered" if run == 1 else f"{n} hashes in runs of {run}")
+        name, slots = runs_of_slots(n, run, rng)
         out.append(PoolShape(f"block-major: {name}", slots, every, True, run))
     return out
 
