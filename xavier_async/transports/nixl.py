@@ -32,7 +32,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -194,6 +194,10 @@ class NixlTransport(Transport):
         #: agents of peers we dropped, for late notifications (bounded)
         self._former: OrderedDict[str, int] = OrderedDict()
         self._closed = False
+        #: when notifications were last polled (a long gap is a stall), and what polling
+        #: yields the CPU with between empty passes (None: not at all)
+        self._last_pass = time.monotonic()
+        self._sched_yield: Callable[[], None] | None = None
 
     # -- settings and counters of the parts ----------------------------------------------
     @property
@@ -464,6 +468,15 @@ class NixlTransport(Transport):
     async def send(self, peer: int, msg: bytes) -> None:
         """Send a notification; it does not yield to the event loop (the caller awaits
         its reply next, which does: a second pass through the loop cost a load ~10 us)."""
+        self.send_now(peer, msg)
+
+    @property
+    def polls_inline(self) -> bool:  # type: ignore[override]
+        """True, unless a subclass sends its own way (a fault injector overriding
+        :meth:`send`): its requests must keep going through it."""
+        return type(self).send is NixlTransport.send
+
+    def send_now(self, peer: int, msg: bytes) -> None:
         p = self._peer(peer)
         self._copies.last_activity = time.monotonic()
         try:
@@ -471,51 +484,78 @@ class NixlTransport(Transport):
         except Exception as exc:
             raise PeerLostError(f"cannot notify rank {peer}: {exc}") from exc
 
+    def poll_until(self, done: Callable[[], bool], seconds: float) -> bool:
+        """One poll pass after another (:meth:`_poll_pass`, yielding the CPU between empty
+        ones as the poller does) until ``done()`` or ``seconds`` have passed."""
+        if done():
+            return True
+        until = time.perf_counter() + seconds
+        poll, clock, sched_yield = self._poll_pass, time.perf_counter, self._sched_yield
+        while True:
+            if poll():
+                if done():
+                    return True
+            elif clock() > until:
+                return done()
+            elif sched_yield is not None:
+                sched_yield()
+
+    def _poll_pass(self) -> bool:
+        """Deliver whatever notifications arrived (whether any did). After a stall (a
+        pass long after the previous one) the peers' connections are checked first."""
+        liveness, copies = self._liveness, self._copies
+        now = time.monotonic()
+        if liveness.stall_check and now - self._last_pass > liveness.stall_check:
+            liveness.sweep()  # we were stalled: drop peers that hung up before serving them
+        self._last_pass = now
+        if copies.stuck:
+            copies.check_stuck()
+        notifs = self._agent.get_new_notifs()
+        if not notifs:
+            return False
+        copies.last_activity = time.monotonic()
+        host, by_agent = self._started_host, self._by_agent
+        for raw_name, msgs in notifs.items():
+            name = raw_name if isinstance(raw_name, str) else raw_name.decode()
+            rank = by_agent.get(name)
+            for msg in msgs:
+                try:
+                    if msg[:3] == XT:
+                        self._memory.on_message(name, msg)
+                    elif rank is not None:
+                        host.deliver(rank, msg, True)  # a load request may be served right here
+                    elif name in self._former:  # a late reply from a dropped peer
+                        host.deliver_late(self._former[name], msg)
+                except Exception:  # never let one message stop the poller
+                    log.exception("delivering a message from agent %s failed", name)
+        return True
+
+    @staticmethod
+    def _yielder() -> Callable[[], None] | None:
+        """``os.sched_yield`` where this process may run on more than one CPU. Pinned to
+        one, a yield hands that CPU to CUDA's and UCX's own threads and costs a
+        timeslice (~200 us measured): then polling goes through the event loop only."""
+        sched_yield = getattr(os, "sched_yield", None)
+        return sched_yield if sched_yield is not None and _cpus() > 1 else None
+
     async def _poll_loop(self) -> None:
         """Deliver NIXL notifications to the endpoint; spin while busy, nap while idle."""
-        agent, host = self._agent, self._started_host
-        by_agent = self._by_agent
-        deliver = host.deliver
         checkpoint, sleep, monotonic = anyio.lowlevel.checkpoint, anyio.sleep, time.monotonic
-        sched_yield = getattr(os, "sched_yield", None)
-        # Pinned to one CPU, a yield hands that CPU to CUDA's and UCX's own threads and
-        # costs a timeslice (~200 us measured): poll through the event loop only.
-        share = sched_yield is not None and _cpus() > 1
-        liveness, copies = self._liveness, self._copies
-        last_pass = monotonic()
+        poll, copies = self._poll_pass, self._copies
+        self._last_pass = monotonic()
+        self._sched_yield = self._yielder()
         while True:
-            now = monotonic()
-            if liveness.stall_check and now - last_pass > liveness.stall_check:
-                liveness.sweep()  # we were stalled: drop peers that hung up before serving them
-            last_pass = now
-            if copies.stuck:
-                copies.check_stuck()
-            notifs = agent.get_new_notifs()
-            if notifs:
-                copies.last_activity = monotonic()
-                for raw_name, msgs in notifs.items():
-                    name = raw_name if isinstance(raw_name, str) else raw_name.decode()
-                    rank = by_agent.get(name)
-                    for msg in msgs:
-                        try:
-                            if msg[:3] == XT:
-                                self._memory.on_message(name, msg)
-                            elif rank is not None:
-                                deliver(rank, msg, True)  # a load request may be served right here
-                            elif name in self._former:  # a late reply from a dropped peer
-                                host.deliver_late(self._former[name], msg)
-                        except Exception:  # never let one message stop the poller
-                            log.exception("delivering a message from agent %s failed", name)
+            if poll():
                 await checkpoint()
             elif monotonic() - copies.last_activity < self.hot_window:
                 # nothing yet: give the core to any other runnable process (often our peer,
                 # on a small machine) before polling again
-                if share and sched_yield is not None:
-                    sched_yield()
+                if self._sched_yield is not None:
+                    self._sched_yield()
                 await checkpoint()
             else:
                 await sleep(self.idle_poll)
-                share = sched_yield is not None and _cpus() > 1  # affinity may have changed
+                self._sched_yield = self._yielder()  # affinity may have changed
 
 
 def _cpus() -> int:
