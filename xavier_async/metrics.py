@@ -46,6 +46,9 @@ class EndpointMetrics:
 
     memory_registrations: int = 0
     loads: int = 0
+    #: round trips whose reply the load polled for itself (``EndpointConfig.reply_spin``)
+    #: instead of waiting through the event loop
+    replies_polled: int = 0
     peers: dict[int, PeerMetrics] = field(default_factory=dict)
     #: per-stage timing histograms of loads (receiver side) and served requests (source)
     stages: LoadStages = field(default_factory=LoadStages)
@@ -77,6 +80,7 @@ class EndpointMetrics:
             "memory_registrations": self.memory_registrations,
             "registrations": self.registrations,
             "loads": self.loads,
+            "replies_polled": self.replies_polled,
             "total": self.total().as_dict(),
             "peers": {rank: m.as_dict() for rank, m in sorted(self.peers.items())},
             "stages": self.stages.as_dict(),

@@ -507,6 +507,10 @@ class PendingRequest:
             self.settled = self.done = True
             self._on_done()
 
+    def is_done(self) -> bool:
+        """Whether it resolved or failed (:attr:`done`, as a call)."""
+        return self.done
+
     def fail(self, exc: XavierError, settled: bool = False) -> None:
         """Fail the request; ``settled``: the source can no longer write for it."""
         if not self.done:

@@ -74,6 +74,10 @@ class _Tally:
         return LoadResult(batches, self.blocks, self.useful, self.wire, self.dev, self.host)
 
 
+async def _sent() -> None:
+    """The request step of a round trip whose request already went out."""
+
+
 class Receiver:
     """One endpoint's loads. ``on_timeout(src, error)`` is awaited when ``src`` did not
     complete a copy within ``request_timeout`` (the endpoint marks it lost and drops it)."""
@@ -91,12 +95,17 @@ class Receiver:
         self.scheduler = BatchScheduler(self, rt.config, rt.metrics, rt.spawn, rt.rank)
         #: makes a round trip's Landing (for the running backend, chosen at start)
         self._landing: Callable[[], Landing] = landing
+        #: seconds a lone small round trip polls for its reply itself (reply_spin; 0
+        #: where the transport cannot poll from our stack), and what counts as small
+        self._spin = 0.0
+        self._small = rt.config.sizes.small
 
     def start(self, slabs: list[Slab]) -> None:
         """Take the receive slabs (registered by the endpoint's start; on its event loop,
         whose backend picks how a round trip waits for its reply)."""
         self._recv = RecvSlabs(slabs, self._rows_of)
         self._landing = landing_factory()
+        self._spin = self._config.reply_spin if self._rt.transport.polls_inline else 0.0
 
     def _rows_of(self, slab: Slab) -> SlabRows:
         """A receive slab's unpack table (made once, when the slab joins)."""
@@ -343,6 +352,11 @@ class Receiver:
             except PeerLostError as exc:  # it did not acknowledge the slab in time: as
                 await self._on_timeout(src, exc)  # unresponsive as a request timing out
                 raise
+        # a small batch, and the endpoint's only work (no other request, no copy being
+        # served): it polls for its reply from here (reply_spin), sparing the event
+        # loop's passes
+        spin = (self._spin if batch.nbytes <= self._small and not len(self.requests)
+                and rt.inflight == 1 else 0.0)
         landed = self._landing()
         req = self.requests.open(src, landed.set)
         timeout = self._config.request_timeout
@@ -365,7 +379,25 @@ class Receiver:
                 sent = perf_counter_ns()
                 rt.stages.post.record(sent - t_post)
 
-            held = await landed.wait_terminal(request, timeout)
+            if spin:  # the send does not yield: the request goes out whole or not at all
+                if isinstance(batch, PlannedBatch):
+                    batch.requested = True
+                t_post = perf_counter_ns()
+                try:
+                    rt.transport.send_now(src, msg)
+                except XavierError as exc:
+                    req.fail(exc, settled=True)  # never sent: nothing can land
+                sent = perf_counter_ns()
+                rt.stages.post.record(sent - t_post)
+                # the load's schedule point, while the source works (a cancellation that
+                # comes through it is held: the copy is started)
+                held = await landed.pass_held()
+                if rt.transport.poll_until(req.is_done, spin):
+                    rt.metrics.replies_polled += 1
+                else:
+                    held = await landed.wait_terminal(_sent, timeout) or held
+            else:
+                held = await landed.wait_terminal(request, timeout)
             rt.stages.wait.record(perf_counter_ns() - sent)
             if not req.done:
                 m.load_errors += 1

@@ -55,6 +55,17 @@ class Landing:
     def set(self) -> None:
         self._event.set()
 
+    @staticmethod
+    async def pass_held() -> BaseException | None:
+        """One schedule point after the request went out (the copy is started, so nothing
+        may cancel the wait for it): a cancellation that gets through is returned, held
+        for the caller to raise once the copy is terminal, as :meth:`wait_terminal` does."""
+        try:
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+        except anyio.get_cancelled_exc_class() as exc:  # a native cancellation
+            return exc
+        return None
+
     async def wait_terminal(self, step: Step, timeout: float) -> BaseException | None:
         """Await ``step()`` (the request's send) once, then the outcome, in a shielded
         scope; return the last native cancellation held meanwhile, or ``None``. At the
@@ -83,6 +94,17 @@ class _AsyncioLanding(Landing):
         self._landed = self._expired = False
         #: the scope of a send still under way (the timeout cancels it, as a deadline would)
         self._sending: anyio.CancelScope | None = None
+
+    @staticmethod
+    async def pass_held() -> BaseException | None:
+        """:meth:`Landing.pass_held` as one bare yield (anyio's shielded checkpoint costs
+        a cancel scope): any cancellation delivered at it, native or an anyio scope's, is
+        held, so none can end the wait for a started copy."""
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError as exc:
+            return exc
+        return None
 
     def set(self) -> None:
         self._landed = True

@@ -1,0 +1,148 @@
+"""A lone small round trip polls for its reply itself (``EndpointConfig.reply_spin``),
+over real NIXL with a source process: the bytes, the count, the fallback to the event
+loop, and cancellations that arrive once the request is out (held until the copy is
+terminal, never unpacked, the receive slab not fenced)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from xavier_async import Endpoint, EndpointConfig  # noqa: E402
+from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec,  # noqa: E402
+                                               pattern_caches, zero_caches)
+from xavier_async.transports.nixl import NixlTransport  # noqa: E402
+
+pytestmark = pytest.mark.asyncio  # real NIXL processes: asyncio (pytest-asyncio)
+
+SPEC = LayoutSpec(layers=3, num_slots=32, block_shape=(8, 64), dtype="bfloat16")  # 1 KiB blocks
+CFG = dict(full_bytes=64 << 10, small_bytes=16 << 10)
+SEED = 5
+SRC = 1
+
+
+@pytest.fixture(scope="module")
+def source():
+    proc = PeerProcess(PeerSpec(rank=SRC, layout=SPEC, seed=SEED, config=CFG, torch_threads=1))
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(scope="module")
+def stalling_source():
+    """Every write is held 20 ms: no reply can come within a short spin."""
+    proc = PeerProcess(PeerSpec(rank=SRC, layout=SPEC, seed=SEED, config=CFG, torch_threads=1,
+                                faults={"write_stall_rate": 1.0, "stall_seconds": 0.02}))
+    yield proc
+    proc.close()
+
+
+EXPECTED = pattern_caches(SPEC, SRC, SEED)
+
+
+def _assert_block(ep: Endpoint, key: int, slot: int) -> None:
+    for layer in range(SPEC.layers):
+        got = ep.caches[layer][slot].view(torch.uint8)
+        assert torch.equal(got, EXPECTED[layer][key].view(torch.uint8)), (key, slot, layer)
+
+
+def _assert_zero(ep: Endpoint, slot: int) -> None:
+    for layer in range(SPEC.layers):
+        assert not ep.caches[layer][slot].view(torch.uint8).any(), (slot, layer)
+
+
+async def _loads(ep: Endpoint, n: int) -> None:
+    for i in range(n):
+        key, slot = i % SPEC.num_slots, (7 * i) % SPEC.num_slots
+        for layer in range(SPEC.layers):
+            ep.caches[layer][slot].zero_()
+        await ep.load_blocks(SRC, [key], [slot])
+        _assert_block(ep, key, slot)
+
+
+async def test_lone_small_loads_poll_for_their_replies(source):
+    cfg = EndpointConfig(**CFG, reply_spin=0.01)
+    async with Endpoint(10, zero_caches(SPEC), NixlTransport(), cfg) as ep:
+        await ep.connect(source.address)
+        await _loads(ep, 24)
+        m = ep.metrics
+        assert m.peer(SRC).batches_received == 24
+        # a one-block round trip takes ~0.1 ms here: nearly all come within 10 ms
+        assert m.replies_polled >= 12
+        assert m.as_dict()["replies_polled"] == m.replies_polled
+        assert ep.recv_slab_stats["in_use"] == 0 and ep.recv_slab_stats["fences"] == 0
+
+
+async def test_reply_spin_zero_waits_through_the_event_loop(source):
+    cfg = EndpointConfig(**CFG, reply_spin=0)
+    async with Endpoint(11, zero_caches(SPEC), NixlTransport(), cfg) as ep:
+        await ep.connect(source.address)
+        await _loads(ep, 6)
+        assert ep.metrics.replies_polled == 0 and ep.metrics.peer(SRC).batches_received == 6
+
+
+async def test_a_reply_later_than_the_spin_is_waited_for(stalling_source):
+    cfg = EndpointConfig(**CFG, reply_spin=0.001)
+    async with Endpoint(12, zero_caches(SPEC), NixlTransport(), cfg) as ep:
+        await ep.connect(stalling_source.address)
+        await _loads(ep, 3)
+        assert ep.metrics.replies_polled == 0 and ep.metrics.peer(SRC).batches_received == 3
+
+
+class _CancelOnSend(NixlTransport):
+    """Cancels the loading task (or a scope) right after a request went out: the
+    cancellation reaches the round trip at its one schedule point."""
+
+    cancel: object = None
+
+    def send_now(self, peer: int, msg: bytes) -> None:
+        super().send_now(peer, msg)
+        cancel, self.cancel = self.cancel, None
+        if cancel is not None:
+            cancel()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["reply_within_the_spin", "reply_after_it"])
+@pytest.mark.parametrize("how", ["task", "scope"])
+async def test_a_cancellation_once_the_request_is_out_is_held_until_the_copy_lands(
+        source, stalling_source, how, slow):
+    """Cancelled (natively, or by an anyio scope) right after its request went out, a load
+    still waits for the copy (with a stalling source: the source has finished it when the
+    cancellation surfaces), does not unpack it, and gives its receive slab back."""
+    peer = stalling_source if slow else source
+    rank = 13 + 2 * slow + (how == "scope")
+    cfg = EndpointConfig(**CFG, reply_spin=0.01)
+    transport = _CancelOnSend()
+    assert transport.polls_inline  # send_now overridden, send not: requests still spin
+    async with Endpoint(rank, zero_caches(SPEC), transport, cfg) as ep:
+        await ep.connect(peer.address)
+        await _loads(ep, 2)
+        received = ep.metrics.peer(SRC).batches_received
+        slot = 20
+        if how == "task":
+            task = asyncio.current_task()
+            assert task is not None
+            transport.cancel = task.cancel
+            with pytest.raises(asyncio.CancelledError):
+                await ep.load_blocks(SRC, [3], [slot])
+            assert task.uncancel() == 0
+        else:
+            with anyio.CancelScope() as scope:
+                transport.cancel = scope.cancel
+                await ep.load_blocks(SRC, [3], [slot])
+            assert scope.cancelled_caught
+        if slow:  # the copy had ended when the cancellation surfaced (it was held 20 ms)
+            sent = await anyio.to_thread.run_sync(peer.call, "metrics")
+            assert sent["peers"][rank]["batches_sent"] == 3
+        # not unpacked, and the slab is back in the pool, not fenced
+        _assert_zero(ep, slot)
+        stats = ep.recv_slab_stats
+        assert stats["in_use"] == 0 and stats["fences"] == 0 and stats["fenced_now"] == 0
+        assert ep.metrics.peer(SRC).batches_received == received
+        await _loads(ep, 4)  # and the endpoint goes on
+        ep.check_invariants(idle=True)
