@@ -40,7 +40,8 @@ for step in $steps; do case $step in
         # the break-even sweep; with one GPU every replica shares cuda:0 (the output says so)
         timeout 560 python3 -m xavier_async.bench demo --device cuda --json "$OUT/demo_cuda.json" --plot "$OUT/demo_cuda.png" 2>&1 | tee "$OUT/demo_cuda.txt" ;;
   bench-quick) # the load rows beside the plain-Python protocol floor, with every stage (quick counts)
-        timeout 300 python3 -m xavier_async.bench bench --quick --no-serving --no-snapshot --no-descriptors --device cuda --json "$OUT/bench_quick_cuda.json" 2>&1 | tee "$OUT/bench_quick_cuda.txt" ;;
+        # (BENCH_ARGS: more bench flags, BENCH_TAG: a suffix of its files)
+        timeout 300 python3 -m xavier_async.bench bench --quick --no-serving --no-snapshot --no-descriptors --device cuda ${BENCH_ARGS:-} --json "$OUT/bench_quick_cuda${BENCH_TAG:-}.json" 2>&1 | tee "$OUT/bench_quick_cuda${BENCH_TAG:-}.txt" ;;
   demo-step) # one engine step of the demo's model, three shapes, and the profiler's busiest operators
         timeout 300 python3 scripts/demo_step_timing.py cuda 2>&1 | tee "$OUT/demo_step.txt" ;;
   protocol-floor) # the plain-Python protocol floor alone (the bench runs it beside its loads)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.asyncio  # real NIXL processes: asyncio (pytest-asyncio
 SPEC = LayoutSpec(layers=3, num_slots=32, block_shape=(8, 64), dtype="bfloat16")  # 1 KiB blocks
 CFG = dict(full_bytes=64 << 10, small_bytes=16 << 10)
 SEED = 5
-SRC = 1
+SRC, SLOW = 1, 2  # the two source processes' ranks
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +35,20 @@ def source():
 
 @pytest.fixture(scope="module")
 def stalling_source():
-    """Every write is held 20 ms: no reply can come within a short spin."""
-    proc = PeerProcess(PeerSpec(rank=SRC, layout=SPEC, seed=SEED, config=CFG, torch_threads=1,
-                                faults={"write_stall_rate": 1.0, "stall_seconds": 0.02}))
+    """Every write is held 50 ms: no reply can come within the spin."""
+    proc = PeerProcess(PeerSpec(rank=SLOW, layout=SPEC, seed=SEED, config=CFG, torch_threads=1,
+                                faults={"write_stall_rate": 1.0, "stall_seconds": 0.05}))
     yield proc
     proc.close()
 
 
-EXPECTED = pattern_caches(SPEC, SRC, SEED)
+EXPECTED = {rank: pattern_caches(SPEC, rank, SEED) for rank in (SRC, SLOW)}
 
 
-def _assert_block(ep: Endpoint, key: int, slot: int) -> None:
+def _assert_block(ep: Endpoint, key: int, slot: int, src: int = SRC) -> None:
     for layer in range(SPEC.layers):
         got = ep.caches[layer][slot].view(torch.uint8)
-        assert torch.equal(got, EXPECTED[layer][key].view(torch.uint8)), (key, slot, layer)
+        assert torch.equal(got, EXPECTED[src][layer][key].view(torch.uint8)), (key, slot, layer)
 
 
 def _assert_zero(ep: Endpoint, slot: int) -> None:
@@ -56,13 +56,13 @@ def _assert_zero(ep: Endpoint, slot: int) -> None:
         assert not ep.caches[layer][slot].view(torch.uint8).any(), (slot, layer)
 
 
-async def _loads(ep: Endpoint, n: int) -> None:
+async def _loads(ep: Endpoint, n: int, src: int = SRC) -> None:
     for i in range(n):
         key, slot = i % SPEC.num_slots, (7 * i) % SPEC.num_slots
         for layer in range(SPEC.layers):
             ep.caches[layer][slot].zero_()
-        await ep.load_blocks(SRC, [key], [slot])
-        _assert_block(ep, key, slot)
+        await ep.load_blocks(src, [key], [slot])
+        _assert_block(ep, key, slot, src)
 
 
 async def test_lone_small_loads_poll_for_their_replies(source):
@@ -86,12 +86,29 @@ async def test_reply_spin_zero_waits_through_the_event_loop(source):
         assert ep.metrics.replies_polled == 0 and ep.metrics.peer(SRC).batches_received == 6
 
 
-async def test_a_reply_later_than_the_spin_is_waited_for(stalling_source):
-    cfg = EndpointConfig(**CFG, reply_spin=0.001)
-    async with Endpoint(12, zero_caches(SPEC), NixlTransport(), cfg) as ep:
+class _CountingPolls(NixlTransport):
+    spins = 0
+
+    def poll_until(self, done, seconds):  # type: ignore[no-untyped-def]
+        self.spins += 1
+        return super().poll_until(done, seconds)
+
+
+async def test_a_reply_later_than_the_spin_is_waited_for_and_stops_the_next_spin(
+        source, stalling_source):
+    """A reply that comes after the spin is waited for through the event loop; the next
+    small round trip does not spin, and once a reply comes within the spin again, the
+    one after it spins."""
+    cfg = EndpointConfig(**CFG, reply_spin=0.01)
+    transport = _CountingPolls()
+    async with Endpoint(12, zero_caches(SPEC), transport, cfg) as ep:
         await ep.connect(stalling_source.address)
-        await _loads(ep, 3)
-        assert ep.metrics.replies_polled == 0 and ep.metrics.peer(SRC).batches_received == 3
+        await ep.connect(source.address)
+        await _loads(ep, 3, SLOW)
+        assert transport.spins == 1 and ep.metrics.replies_polled == 0  # the first only
+        await _loads(ep, 3, SRC)  # the first waits (and is quick), the others spin
+        assert transport.spins == 3 and ep.metrics.replies_polled == 2
+        assert ep.metrics.peer(SLOW).batches_received == ep.metrics.peer(SRC).batches_received == 3
 
 
 class _CancelOnSend(NixlTransport):
@@ -114,35 +131,35 @@ async def test_a_cancellation_once_the_request_is_out_is_held_until_the_copy_lan
     """Cancelled (natively, or by an anyio scope) right after its request went out, a load
     still waits for the copy (with a stalling source: the source has finished it when the
     cancellation surfaces), does not unpack it, and gives its receive slab back."""
-    peer = stalling_source if slow else source
+    peer, src = (stalling_source, SLOW) if slow else (source, SRC)
     rank = 13 + 2 * slow + (how == "scope")
     cfg = EndpointConfig(**CFG, reply_spin=0.01)
     transport = _CancelOnSend()
     assert transport.polls_inline  # send_now overridden, send not: requests still spin
     async with Endpoint(rank, zero_caches(SPEC), transport, cfg) as ep:
         await ep.connect(peer.address)
-        await _loads(ep, 2)
-        received = ep.metrics.peer(SRC).batches_received
+        await _loads(ep, 2, src)
+        received = ep.metrics.peer(src).batches_received
         slot = 20
         if how == "task":
             task = asyncio.current_task()
             assert task is not None
             transport.cancel = task.cancel
             with pytest.raises(asyncio.CancelledError):
-                await ep.load_blocks(SRC, [3], [slot])
+                await ep.load_blocks(src, [3], [slot])
             assert task.uncancel() == 0
         else:
             with anyio.CancelScope() as scope:
                 transport.cancel = scope.cancel
-                await ep.load_blocks(SRC, [3], [slot])
+                await ep.load_blocks(src, [3], [slot])
             assert scope.cancelled_caught
-        if slow:  # the copy had ended when the cancellation surfaced (it was held 20 ms)
+        if slow:  # the copy had ended when the cancellation surfaced (it was held 50 ms)
             sent = await anyio.to_thread.run_sync(peer.call, "metrics")
             assert sent["peers"][rank]["batches_sent"] == 3
         # not unpacked, and the slab is back in the pool, not fenced
         _assert_zero(ep, slot)
         stats = ep.recv_slab_stats
         assert stats["in_use"] == 0 and stats["fences"] == 0 and stats["fenced_now"] == 0
-        assert ep.metrics.peer(SRC).batches_received == received
-        await _loads(ep, 4)  # and the endpoint goes on
+        assert ep.metrics.peer(src).batches_received == received
+        await _loads(ep, 4, src)  # and the endpoint goes on
         ep.check_invariants(idle=True)

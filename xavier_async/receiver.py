@@ -99,6 +99,9 @@ class Receiver:
         #: where the transport cannot poll from our stack), and what counts as small
         self._spin = 0.0
         self._small = rt.config.sizes.small
+        #: the last small round trip's reply took longer than the spin: the next one
+        #: waits through the event loop (and, if its reply comes sooner, spins again)
+        self._slow_replies = False
 
     def start(self, slabs: list[Slab]) -> None:
         """Take the receive slabs (registered by the endpoint's start; on its event loop,
@@ -355,8 +358,9 @@ class Receiver:
         # a small batch, and the endpoint's only work (no other request, no copy being
         # served): it polls for its reply from here (reply_spin), sparing the event
         # loop's passes
-        spin = (self._spin if batch.nbytes <= self._small and not len(self.requests)
-                and rt.inflight == 1 else 0.0)
+        small = batch.nbytes <= self._small
+        spin = (self._spin if small and not len(self.requests) and rt.inflight == 1
+                and not self._slow_replies else 0.0)
         landed = self._landing()
         req = self.requests.open(src, landed.set)
         timeout = self._config.request_timeout
@@ -398,7 +402,10 @@ class Receiver:
                     held = await landed.wait_terminal(_sent, timeout) or held
             else:
                 held = await landed.wait_terminal(request, timeout)
-            rt.stages.wait.record(perf_counter_ns() - sent)
+            waited = perf_counter_ns() - sent
+            rt.stages.wait.record(waited)
+            if small:  # would a spin have caught this reply? (a slow source: don't spin)
+                self._slow_replies = waited > self._spin * 1e9
             if not req.done:
                 m.load_errors += 1
                 # the source may still write this slab, late: fence it first

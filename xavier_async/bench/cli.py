@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--serving-trimmed", action="store_true",
                    help="the serving section's endpoints (every run) copy only the payload "
                         "(EndpointConfig.trimmed) instead of the whole view")
+    b.add_argument("--reply-spin", type=float, metavar="SECONDS", default=None,
+                   help="EndpointConfig.reply_spin of the load rows' endpoints (how long a lone "
+                        "small load polls for its reply itself; 0: never); default: the "
+                        "engine's default")
     b.add_argument("--serving-rounds", type=_positive, metavar="N", default=1,
                    help="run the serving section's runs N times, alternating them (each round "
                         "starts one run later), and report each figure as the median over the "
@@ -206,6 +210,7 @@ def _bench(args: argparse.Namespace) -> int:
                             serving_slabs=args.serving_slabs,
                             serving_merge_small=args.serving_merge_small,
                             serving_trimmed=args.serving_trimmed,
+                            reply_spin=args.reply_spin,
                             serving_host_profile=args.serving_host_profile,
                             serving_rounds=args.serving_rounds,
                             serving_small_trips=args.serving_small_trips)

@@ -74,6 +74,8 @@ class BenchOptions:
     serving_small_trips: int | None = None
     #: the serving section's endpoints (every run) copy only the payload (``trimmed``)
     serving_trimmed: bool = False
+    #: ``EndpointConfig.reply_spin`` of the load rows' endpoints (None: the engine's default)
+    reply_spin: float | None = None
     #: count each serving process's host time per callback and engine function, per phase
     #: (:class:`~xavier_async.testing.hostprof.HostProfile`; asyncio only, adds overhead)
     serving_host_profile: bool = False
@@ -99,6 +101,9 @@ class BenchOptions:
                                                      or not 1 <= self.serving_small_trips <= 1024):
             raise ValueError("serving_small_trips must be an int from 1 to 1024, got "
                              f"{self.serving_small_trips!r}")
+        if self.reply_spin is not None and (isinstance(self.reply_spin, bool) or not isinstance(
+                self.reply_spin, (int, float)) or not 0 <= self.reply_spin <= 0.01):
+            raise ValueError(f"reply_spin must be seconds from 0 to 0.01, got {self.reply_spin!r}")
         if type(self.serving_rounds) is not int or not 1 <= self.serving_rounds <= 100:
             raise ValueError(f"serving_rounds must be an int from 1 to 100, got {self.serving_rounds!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -581,6 +581,8 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
     device = o.resolved_device()
     layout = bench_layout(o.full_bytes)
     cfg: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes)
+    if o.reply_spin is not None:
+        cfg["reply_spin"] = o.reply_spin
     here, there = peer_device(0, device).device, peer_device(1, device).device
     caches = pattern_caches(layout, 0, o.seed, here)
     if o.transport == "local":
