@@ -144,6 +144,23 @@ def test_a_block_loads_lookup_equals_the_segment_lookup_and_names_what_is_missin
     assert isinstance(out, Refuse) and "[6]" in str(out.error) and "layer 2" in str(out.error)
 
 
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True),
+       st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True),
+       st.dictionaries(st.integers(0, 9), st.integers(0, 63), max_size=10))
+def test_the_uniform_lookup_of_a_store_equals_the_lookup_per_layer(layers, keys, table):
+    """With a snapshot store every layer shares one table: a block load's keys are looked
+    up once; the slots, and the refusal of a missing key, are the general lookup's."""
+    shared = {layer: table for layer in LAYOUT.layers}
+    parsed = BlockShapes(LAYOUT).parse(BlockLoad(1, tuple(layers), tuple(keys)), FULL)
+    assert isinstance(parsed, ParsedLoad)
+    fast, general = slots_of(parsed, shared, uniform=True), slots_of(parsed, shared)
+    if isinstance(general, Refuse):
+        assert isinstance(fast, Refuse) and type(fast.error) is type(general.error)
+        assert all(str(k) in str(fast.error) for k in keys if k not in table)
+    else:
+        assert fast == general and len(fast) == len(layers)
+
+
 # -- the planner's block form ------------------------------------------------------------------
 
 def test_plan_blocks_plans_what_the_mapping_plans():

@@ -201,9 +201,22 @@ def _getter(keys: tuple[BlockKey, ...]) -> Callable[[Mapping[BlockKey, int]], An
 
 
 def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]],
-             ) -> list[Sequence[int]] | Refuse:
+             uniform: bool = False) -> list[Sequence[int]] | Refuse:
     """Source slots of every segment's keys, or a refusal naming the unpublished ones (a
-    block load's segments are read unbuilt: :meth:`ParsedLoad.segment_items`)."""
+    block load's segments are read unbuilt: :meth:`ParsedLoad.segment_items`).
+    ``uniform``: every layer's table is the same mapping (a source with a snapshot store
+    publishes whole blocks), so a block load's keys are looked up once, for every layer."""
+    b = load.block
+    if uniform and b is not None and load._segments is None:
+        layers, keys = b[0], b[1]
+        table = published.get(layers[0], {})
+        try:
+            slots = _getter(keys)(table)
+        except (KeyError, TypeError):
+            missing = [k for k in keys if not isinstance(k, (int, str, bytes)) or k not in table]
+            return Refuse(load.req_id, InvalidRequestError(
+                f"block key(s) {missing[:4]!r} not published in layer {layers[0]!r}"))
+        return [slots] * len(layers)
     slot_lists: list[Sequence[int]] = []
     keys: tuple[BlockKey, ...] | None = None
     get: Callable[[Mapping[BlockKey, int]], Any] = _no_slots
@@ -223,11 +236,13 @@ def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int
 
 
 def decide(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]],
-           policy: ChannelPolicy, mapped: Container[tuple[View, int]]) -> Decision:
+           policy: ChannelPolicy, mapped: Container[tuple[View, int]],
+           uniform: bool = False) -> Decision:
     """Whether ``load`` can be served now. Pure: the machine is only peeked at; the caller
     commits the choice when it posts the copy, with nothing awaited in between.
-    ``mapped`` holds the (view, receive slab) pairs the channel has mappings for."""
-    slots = slots_of(load, published)
+    ``mapped`` holds the (view, receive slab) pairs the channel has mappings for;
+    ``uniform`` as for :func:`slots_of`."""
+    slots = slots_of(load, published, uniform)
     if isinstance(slots, Refuse):
         return slots
     view = policy.peek_view(load.payload)

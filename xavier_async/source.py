@@ -56,7 +56,8 @@ class Source:
         self._layout = layout
         #: block loads' segment offsets, per (layers, key count)
         self._shapes = BlockShapes(layout)
-        #: layer -> block key -> the slot it lives at
+        #: layer -> block key -> the slot it lives at (with a snapshot store, which keeps
+        #: whole blocks, every layer shares one table: ``_uniform``)
         self.published: dict[LayerId, dict[BlockKey, int]] = {layer: {} for layer in layout.layers}
         #: the send slabs: one is held from packing until its copy is terminal
         self.pool = FairPool(range(rt.config.send_slabs))
@@ -84,6 +85,10 @@ class Source:
         #: the store's tiers (allocated now, so that blocks can be published before start;
         #: registered with the transport at start)
         self.pool_tensors = self._allocate_store()
+        self._uniform = self.store is not None
+        if self._uniform:
+            shared: dict[BlockKey, int] = {}
+            self.published = {layer: shared for layer in layout.layers}
 
     @property
     def pools(self) -> int:
@@ -179,12 +184,15 @@ class Source:
                 "snapshot_cpu_bytes=0)) to publish single layers from the live slots")
 
     def _moved(self, key: BlockKey, slot: int | None) -> None:
-        """The store moved ``key`` to ``slot`` (``None``: it is gone): serve it there."""
-        for table in self.published.values():
-            if slot is None:
-                table.pop(key, None)
-            else:
-                table[key] = slot
+        """The store moved ``key`` to ``slot`` (``None``: it is gone): serve it there (the
+        store's layers share one table)."""
+        table = next(iter(self.published.values()), None)
+        if table is None:
+            return
+        if slot is None:
+            table.pop(key, None)
+        else:
+            table[key] = slot
 
     # -- requests ------------------------------------------------------------------------
     def on_probe(self, peer: int, probe: Probe) -> None:
@@ -244,7 +252,7 @@ class Source:
     def _decide(self, ch: PeerChannel, load: ParsedLoad, send: int) -> Decision:
         """The serve decision for send slab ``send`` (timed as the lookup stage)."""
         t = perf_counter_ns()
-        d = decide(load, self.published, ch.policy, ch.mapped_for(send))
+        d = decide(load, self.published, ch.policy, ch.mapped_for(send), self._uniform)
         self._rt.stages.lookup.record(perf_counter_ns() - t)
         return d
 
@@ -376,7 +384,7 @@ class Source:
                 if not rt.life.open:
                     raise EndpointClosedError(f"rank {rt.rank} is closing")
                 ch = self._peers.channel(peer)
-                first = decide(load, self.published, ch.policy, ch.mapped_for(0))
+                first = decide(load, self.published, ch.policy, ch.mapped_for(0), self._uniform)
                 if isinstance(first, Refuse):  # unknown keys: refused before anything else
                     raise first.error
                 send = await ticket.take()
