@@ -208,12 +208,13 @@ def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int
     publishes whole blocks), so a block load's keys are looked up once, for every layer."""
     b = load.block
     if uniform and b is not None and load._segments is None:
-        layers, keys = b[0], b[1]
+        layers, block_keys = b[0], b[1]
         table = published.get(layers[0], {})
         try:
-            slots = _getter(keys)(table)
+            slots = _getter(block_keys)(table)
         except (KeyError, TypeError):
-            missing = [k for k in keys if not isinstance(k, (int, str, bytes)) or k not in table]
+            missing = [k for k in block_keys
+                       if not isinstance(k, (int, str, bytes)) or k not in table]
             return Refuse(load.req_id, InvalidRequestError(
                 f"block key(s) {missing[:4]!r} not published in layer {layers[0]!r}"))
         return [slots] * len(layers)

@@ -361,6 +361,7 @@ class Receiver:
         small = batch.nbytes <= self._small
         spin = (self._spin if small and not len(self.requests) and rt.inflight == 1
                 and not self._slow_replies else 0.0)
+        polled = False  # the reply came within the spin: nothing was awaited since pass_held
         landed = self._landing()
         req = self.requests.open(src, landed.set)
         timeout = self._config.request_timeout
@@ -383,20 +384,15 @@ class Receiver:
                 sent = perf_counter_ns()
                 rt.stages.post.record(sent - t_post)
 
-            if spin:  # the send does not yield: the request goes out whole or not at all
-                if isinstance(batch, PlannedBatch):
-                    batch.requested = True
-                t_post = perf_counter_ns()
-                try:
-                    rt.transport.send_now(src, msg)
-                except XavierError as exc:
-                    req.fail(exc, settled=True)  # never sent: nothing can land
-                sent = perf_counter_ns()
-                rt.stages.post.record(sent - t_post)
+            if spin:
+                # a transport that polls inline sends without yielding: the request goes
+                # out whole or not at all, nothing can cancel it half way
+                await request()
                 # the load's schedule point, while the source works (a cancellation that
                 # comes through it is held: the copy is started)
                 held = await landed.pass_held()
-                if rt.transport.poll_until(req.is_done, spin):
+                polled = rt.transport.poll_until(req.is_done, spin)
+                if polled:
                     rt.metrics.replies_polled += 1
                 else:
                     held = await landed.wait_terminal(_sent, timeout) or held
@@ -430,7 +426,9 @@ class Receiver:
                 f"rank {src} reports writing receive slab {req.slab}, but this batch was "
                 f"requested into slab {slab.index}: not unpacked, the slots keep their contents")
         # a cancellation that arrived during the copy surfaces here, before unpacking
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        # (polled: none could arrive since pass_held, which holds and raises its own)
+        if not polled:
+            await anyio.lowlevel.checkpoint_if_cancelled()
         if self._config.verify:
             got = payload_digest(slab.tensor, batch.nbytes)
             if got != req.digest:

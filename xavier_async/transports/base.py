@@ -171,14 +171,10 @@ class Transport(abc.ABC):
     async def send(self, peer: int, msg: bytes) -> None:
         """Send a control message to ``peer``."""
 
-    #: whether :meth:`send_now` and :meth:`poll_until` work: a control message is sent,
-    #: and arrived ones are delivered, synchronously from the caller's stack (a receiver
-    #: then polls for a small batch's reply itself: ``EndpointConfig.reply_spin``)
+    #: whether :meth:`send` never yields to the event loop and :meth:`poll_until`
+    #: delivers arrived messages synchronously, from the caller's stack (a receiver then
+    #: polls for a small batch's reply itself: ``EndpointConfig.reply_spin``)
     polls_inline: bool = False
-
-    def send_now(self, peer: int, msg: bytes) -> None:
-        """:meth:`send`, synchronously (only where :attr:`polls_inline`)."""
-        raise NotImplementedError(f"the {self.name} transport cannot send synchronously")
 
     def poll_until(self, done: Callable[[], bool], seconds: float) -> bool:
         """Deliver arrived messages to the host, as the transport's own poller would,

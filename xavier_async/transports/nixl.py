@@ -477,6 +477,7 @@ class NixlTransport(Transport):
         return type(self).send is NixlTransport.send
 
     def send_now(self, peer: int, msg: bytes) -> None:
+        """:meth:`send`, as a plain call."""
         p = self._peer(peer)
         self._copies.last_activity = time.monotonic()
         try:
