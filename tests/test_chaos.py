@@ -71,6 +71,7 @@ def test_chaos_short(sources):
     assert report.schedules == len(SHORT_SEEDS), report.summary()
     assert report.ok > 0 and report.failed > 0 and report.cancelled > 0, report.summary()
     assert report.faults.get("kill", 0) and report.faults.get("stop", 0), report.summary()
+    assert report.spins > 0, report.summary()  # serial steps' loads polled for replies
     _fail_on_violations(report)
 
 

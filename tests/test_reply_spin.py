@@ -74,7 +74,9 @@ async def test_lone_small_loads_poll_for_their_replies(source):
         assert m.peer(SRC).batches_received == 24
         # a one-block round trip takes ~0.1 ms here: nearly all come within 10 ms
         assert m.replies_polled >= 12
+        assert m.reply_spins >= m.replies_polled  # (after a slow reply one may not spin)
         assert m.as_dict()["replies_polled"] == m.replies_polled
+        assert m.as_dict()["reply_spins"] == m.reply_spins
         assert ep.recv_slab_stats["in_use"] == 0 and ep.recv_slab_stats["fences"] == 0
 
 
@@ -83,7 +85,8 @@ async def test_reply_spin_zero_waits_through_the_event_loop(source):
     async with Endpoint(11, zero_caches(SPEC), NixlTransport(), cfg) as ep:
         await ep.connect(source.address)
         await _loads(ep, 6)
-        assert ep.metrics.replies_polled == 0 and ep.metrics.peer(SRC).batches_received == 6
+        assert ep.metrics.reply_spins == ep.metrics.replies_polled == 0
+        assert ep.metrics.peer(SRC).batches_received == 6
 
 
 class _CountingPolls(NixlTransport):
@@ -105,9 +108,11 @@ async def test_a_reply_later_than_the_spin_is_waited_for_and_stops_the_next_spin
         await ep.connect(stalling_source.address)
         await ep.connect(source.address)
         await _loads(ep, 3, SLOW)
-        assert transport.spins == 1 and ep.metrics.replies_polled == 0  # the first only
+        assert transport.spins == ep.metrics.reply_spins == 1  # the first only
+        assert ep.metrics.replies_polled == 0
         await _loads(ep, 3, SRC)  # the first waits (and is quick), the others spin
-        assert transport.spins == 3 and ep.metrics.replies_polled == 2
+        assert transport.spins == ep.metrics.reply_spins == 3
+        assert ep.metrics.replies_polled == 2
         assert ep.metrics.peer(SLOW).batches_received == ep.metrics.peer(SRC).batches_received == 3
 
 

@@ -46,8 +46,10 @@ class EndpointMetrics:
 
     memory_registrations: int = 0
     loads: int = 0
-    #: round trips whose reply the load polled for itself (``EndpointConfig.reply_spin``)
-    #: instead of waiting through the event loop
+    #: round trips that polled for their reply themselves (``EndpointConfig.reply_spin``),
+    #: and those of them whose reply came within the spin (the others then waited for it
+    #: through the event loop)
+    reply_spins: int = 0
     replies_polled: int = 0
     peers: dict[int, PeerMetrics] = field(default_factory=dict)
     #: per-stage timing histograms of loads (receiver side) and served requests (source)
@@ -80,6 +82,7 @@ class EndpointMetrics:
             "memory_registrations": self.memory_registrations,
             "registrations": self.registrations,
             "loads": self.loads,
+            "reply_spins": self.reply_spins,
             "replies_polled": self.replies_polled,
             "total": self.total().as_dict(),
             "peers": {rank: m.as_dict() for rank, m in sorted(self.peers.items())},

@@ -99,8 +99,8 @@ class Receiver:
         #: where the transport cannot poll from our stack), and what counts as small
         self._spin = 0.0
         self._small = rt.config.sizes.small
-        #: the last small round trip's reply took longer than the spin: the next one
-        #: waits through the event loop (and, if its reply comes sooner, spins again)
+        #: the last lone small round trip's reply took longer than the spin: the next
+        #: one waits through the event loop (and, if its reply comes sooner, spins again)
         self._slow_replies = False
 
     def start(self, slabs: list[Slab]) -> None:
@@ -358,9 +358,8 @@ class Receiver:
         # a small batch, and the endpoint's only work (no other request, no copy being
         # served): it polls for its reply from here (reply_spin), sparing the event
         # loop's passes
-        small = batch.nbytes <= self._small
-        spin = (self._spin if small and not len(self.requests) and rt.inflight == 1
-                and not self._slow_replies else 0.0)
+        lone = batch.nbytes <= self._small and not len(self.requests) and rt.inflight == 1
+        spin = self._spin if lone and not self._slow_replies else 0.0
         polled = False  # the reply came within the spin: nothing was awaited since pass_held
         landed = self._landing()
         req = self.requests.open(src, landed.set)
@@ -391,6 +390,7 @@ class Receiver:
                 # the load's schedule point, while the source works (a cancellation that
                 # comes through it is held: the copy is started)
                 held = await landed.pass_held()
+                rt.metrics.reply_spins += 1
                 polled = rt.transport.poll_until(req.is_done, spin)
                 if polled:
                     rt.metrics.replies_polled += 1
@@ -400,7 +400,7 @@ class Receiver:
                 held = await landed.wait_terminal(request, timeout)
             waited = perf_counter_ns() - sent
             rt.stages.wait.record(waited)
-            if small:  # would a spin have caught this reply? (a slow source: don't spin)
+            if lone:  # would a spin have caught this reply? (a slow source: don't spin)
                 self._slow_replies = waited > self._spin * 1e9
             if not req.done:
                 m.load_errors += 1

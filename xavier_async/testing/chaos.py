@@ -9,7 +9,10 @@ Its steps:
 * ``loads``: 32-64 loads at once (small, large, several batches, two sources in one load,
   now and then an unpublished key), some cancelled after a random short delay
   (``anyio.move_on_after``), while faults hit the sources at random moments: SIGKILL,
-  SIGSTOP, SIGCONT; the last step may close the loader in the middle of its loads;
+  SIGSTOP, SIGCONT; the last step may close the loader in the middle of its loads. About
+  a third of these steps are *serial*: their loads go one at a time, spread over the
+  faults' window, so that a small one polls for its own reply
+  (``EndpointConfig.reply_spin``) while the faults land;
 * ``restart``: a new process for a killed rank (with a new byte pattern), connected;
 * ``reconnect``: connect every rank the loader lost (a frozen one must fail, typed and
   in time);
@@ -95,6 +98,10 @@ class ChaosConfig:
     steps: tuple[int, int] = (4, 7)
     #: the loader's ``EndpointConfig.request_timeout``
     request_timeout: float = 1.0
+    #: the loader's ``EndpointConfig.reply_spin``: longer than the default, so that with
+    #: three or four source processes on a small machine a serial step's small loads
+    #: poll for their replies (the path under test) rather than wait for them
+    reply_spin: float = 0.002
     #: the loader's NIXL handshake timeout (also how long telling a peer about a new
     #: receive slab may wait) and the timeout of every connect
     handshake_timeout: float = 1.0
@@ -180,6 +187,8 @@ class Step:
     close_at: float | None = None
     #: ``restart``: the ranks to start again
     ranks: list[int] = field(default_factory=list)
+    #: ``loads`` only: one at a time, spread over the faults' window (else all at once)
+    serial: bool = False
 
     def describe(self) -> str:
         if self.kind != "loads":
@@ -187,7 +196,8 @@ class Step:
         cancels = sum(p.cancel_after is not None for p in self.loads)
         faults = ", ".join(f"{f.kind} {f.rank} @{f.at:.2f}s" for f in self.faults) or "no faults"
         close = f", close @{self.close_at:.2f}s" if self.close_at is not None else ""
-        return f"loads x{len(self.loads)} ({cancels} cancelled; {faults}{close})"
+        serial = "serial " if self.serial else ""
+        return f"{serial}loads x{len(self.loads)} ({cancels} cancelled; {faults}{close})"
 
 
 @dataclass
@@ -235,7 +245,10 @@ class ChaosSchedule:
             elif kind == "reconnect":
                 steps.append(Step("reconnect"))
             else:
-                step = Step("loads", loads=_plan_loads(rng, cfg, ranks))
+                # (drawn apart from the schedule's stream: a seed's loads and faults are
+                # what they were before serial steps existed)
+                serial = random.Random(f"serial {seed} {i}").random() < 1 / 3
+                step = Step("loads", loads=_plan_loads(rng, cfg, ranks), serial=serial)
                 for at in sorted(rng.uniform(0, cfg.fault_window) for _ in range(rng.randint(0, cfg.max_faults))):
                     up = [r for r in ranks if state[r] == "up"]
                     stopped = [r for r in ranks if state[r] == "stopped"]
@@ -447,13 +460,17 @@ class Violation:
 class ChaosReport:
     """What a run did and found: ``schedules`` and ``steps`` run, loads ``ok`` /
     ``failed`` / ``cancelled`` (``errors``: failures by type), ``faults`` injected by kind,
-    ``violations`` and the wall time."""
+    ``violations`` and the wall time; ``spins``: round trips that polled for their reply
+    themselves (``EndpointConfig.reply_spin``: that path, under the same faults), ``polled``
+    those whose reply came within the spin."""
 
     schedules: int = 0
     steps: int = 0
     ok: int = 0
     failed: int = 0
     cancelled: int = 0
+    spins: int = 0
+    polled: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     faults: dict[str, int] = field(default_factory=dict)
     violations: list[Violation] = field(default_factory=list)
@@ -470,6 +487,8 @@ class ChaosReport:
         self.ok += other.ok
         self.failed += other.failed
         self.cancelled += other.cancelled
+        self.spins += other.spins
+        self.polled += other.polled
         for k, v in other.errors.items():
             self.count(self.errors, k, v)
         for k, v in other.faults.items():
@@ -482,7 +501,8 @@ class ChaosReport:
         bad = sorted(s for s, n in self.seeds.items() if n)
         return (f"{self.schedules} schedules, {self.steps} steps in {self.seconds:.1f} s; loads: "
                 f"{self.ok} ok, {self.failed} failed {dict(sorted(self.errors.items()))}, "
-                f"{self.cancelled} cancelled; faults {dict(sorted(self.faults.items()))}; "
+                f"{self.cancelled} cancelled; {self.spins} reply spins, {self.polled} "
+                f"replies polled; faults {dict(sorted(self.faults.items()))}; "
                 f"{len(self.violations)} violations" + (f" (seeds {bad})" if bad else ""))
 
 
@@ -571,7 +591,7 @@ class _Run:
         from ..transports.nixl import NixlTransport
         transport = NixlTransport(handshake_timeout=cfg.handshake_timeout, rank_grace=cfg.rank_grace)
         config = EndpointConfig(full_bytes=cfg.full_bytes, small_bytes=cfg.small_bytes,
-                                request_timeout=cfg.request_timeout,
+                                request_timeout=cfg.request_timeout, reply_spin=cfg.reply_spin,
                                 receive_slabs=sched.receive_slabs, merge_loads=sched.merge_loads)
         self.ep = ep = Endpoint(0, self.caches, transport, config)
         try:
@@ -607,6 +627,8 @@ class _Run:
             self.violation("typed", "an exception escaped `async with Endpoint`: "
                            + _describe(exc))
         finally:
+            self.report.spins += ep.metrics.reply_spins
+            self.report.polled += ep.metrics.replies_polled
             await anyio.to_thread.run_sync(self.pool.resume_all)
 
     async def connect(self, rank: int, must: bool) -> None:
@@ -688,6 +710,13 @@ class _Run:
             if outcome != "hung" and self.check_bytes(i, plan, outcome, "when it returned"):
                 outcomes[i] = outcome
 
+        async def serial(plans: list[LoadPlan]) -> None:
+            """One load after another, spread over the faults' window."""
+            gap = self.cfg.fault_window / max(1, len(plans))
+            for i, plan in enumerate(plans):
+                await one(i, plan)
+                await anyio.sleep(gap)
+
         async def fault(f: Fault) -> None:
             await anyio.sleep(f.at)
             done = await anyio.to_thread.run_sync(
@@ -700,8 +729,11 @@ class _Run:
                 async with anyio.create_task_group() as work:
                     for f in step.faults:
                         work.start_soon(fault, f)
-                    for i, plan in enumerate(step.loads):
-                        work.start_soon(one, i, plan)
+                    if step.serial:
+                        work.start_soon(serial, step.loads)
+                    else:
+                        for i, plan in enumerate(step.loads):
+                            work.start_soon(one, i, plan)
                     if step.close_at is not None:
                         tg.start_soon(self.close_later, step.close_at, loads_scope)
         for i, plan in enumerate(step.loads):   # the bytes stay put until the step ends
