@@ -58,11 +58,13 @@ class Landing:
     @staticmethod
     async def pass_held() -> BaseException | None:
         """One schedule point after the request went out (the copy is started, so nothing
-        may cancel the wait for it): a cancellation that gets through is returned, held
-        for the caller to raise once the copy is terminal, as :meth:`wait_terminal` does."""
+        may cancel the wait for it): a cancellation delivered there, a scope's or a native
+        one, is returned, held for the caller to raise once the copy is terminal (as
+        :meth:`wait_terminal` does); the caller need not check for one again before it
+        awaits anything else."""
         try:
-            await anyio.lowlevel.cancel_shielded_checkpoint()
-        except anyio.get_cancelled_exc_class() as exc:  # a native cancellation
+            await anyio.lowlevel.checkpoint()
+        except anyio.get_cancelled_exc_class() as exc:
             return exc
         return None
 
