@@ -14,8 +14,11 @@ makes one *round trip* (:meth:`Receiver.round_trip`)::
 From the request on the copy is *started*: it is waited for (shielded) until the source
 reports a terminal state, even if the caller is cancelled. A source that does not answer
 within ``request_timeout`` is declared lost and the slab is *fenced* (it may still be
-written late); a late reply from it releases the fence. The receiver owns the request
-table and the receive slabs (registering replacements of fenced ones).
+written late); a late reply from it releases the fence. A small batch that is the
+endpoint's only work polls for its reply itself for up to ``EndpointConfig.reply_spin``
+(over a transport that ``polls_inline``), after one pass through the event loop that
+holds any cancellation; a later reply is waited for as above. The receiver owns the
+request table and the receive slabs (registering replacements of fenced ones).
 """
 
 from __future__ import annotations
