@@ -35,6 +35,10 @@ def default_host_tier_bytes() -> int:
     return int(min(DEFAULT_HOST_TIER_BYTES, phys // 8))
 
 
+#: the longest ``EndpointConfig.reply_spin`` (seconds the event loop may be held)
+MAX_REPLY_SPIN = 0.01
+
+
 @dataclass(frozen=True)
 class EndpointConfig:
     """Tuning knobs, all validated at construction.
@@ -185,7 +189,7 @@ class EndpointConfig:
         check_size("trim_align", self.trim_align)
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         object.__setattr__(self, "reply_spin", check_number("reply_spin", self.reply_spin,
-                                                            maximum=0.01))
+                                                            maximum=MAX_REPLY_SPIN))
         if not isinstance(self.retry, RetryPolicy):
             raise InvalidRequestError("retry must be a RetryPolicy")
 
@@ -206,5 +210,5 @@ class LoadResult:
     host_tier_blocks: int = 0
 
 
-__all__ = ["EndpointConfig", "LoadResult", "default_host_tier_bytes", "GPU_DIRECT_WRITE_REGIONS",
+__all__ = ["EndpointConfig", "LoadResult", "default_host_tier_bytes", "GPU_DIRECT_WRITE_REGIONS", "MAX_REPLY_SPIN",
            "direct_write_regions_for"]

@@ -97,17 +97,6 @@ class _AsyncioLanding(Landing):
         #: the scope of a send still under way (the timeout cancels it, as a deadline would)
         self._sending: anyio.CancelScope | None = None
 
-    @staticmethod
-    async def pass_held() -> BaseException | None:
-        """:meth:`Landing.pass_held` as one bare yield (anyio's shielded checkpoint costs
-        a cancel scope): any cancellation delivered at it, native or an anyio scope's, is
-        held, so none can end the wait for a started copy."""
-        try:
-            await asyncio.sleep(0)
-        except asyncio.CancelledError as exc:
-            return exc
-        return None
-
     def set(self) -> None:
         self._landed = True
         f = self._future

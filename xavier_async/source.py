@@ -57,7 +57,7 @@ class Source:
         #: block loads' segment offsets, per (layers, key count)
         self._shapes = BlockShapes(layout)
         #: layer -> block key -> the slot it lives at (with a snapshot store, which keeps
-        #: whole blocks, every layer shares one table: ``_uniform``)
+        #: whole blocks, every layer shares one table)
         self.published: dict[LayerId, dict[BlockKey, int]] = {layer: {} for layer in layout.layers}
         #: the send slabs: one is held from packing until its copy is terminal
         self.pool = FairPool(range(rt.config.send_slabs))
@@ -85,8 +85,7 @@ class Source:
         #: the store's tiers (allocated now, so that blocks can be published before start;
         #: registered with the transport at start)
         self.pool_tensors = self._allocate_store()
-        self._uniform = self.store is not None
-        if self._uniform:
+        if self.store is not None:
             shared: dict[BlockKey, int] = {}
             self.published = {layer: shared for layer in layout.layers}
 
@@ -252,7 +251,7 @@ class Source:
     def _decide(self, ch: PeerChannel, load: ParsedLoad, send: int) -> Decision:
         """The serve decision for send slab ``send`` (timed as the lookup stage)."""
         t = perf_counter_ns()
-        d = decide(load, self.published, ch.policy, ch.mapped_for(send), self._uniform)
+        d = decide(load, self.published, ch.policy, ch.mapped_for(send), self.store is not None)
         self._rt.stages.lookup.record(perf_counter_ns() - t)
         return d
 
@@ -384,7 +383,7 @@ class Source:
                 if not rt.life.open:
                     raise EndpointClosedError(f"rank {rt.rank} is closing")
                 ch = self._peers.channel(peer)
-                first = decide(load, self.published, ch.policy, ch.mapped_for(0), self._uniform)
+                first = decide(load, self.published, ch.policy, ch.mapped_for(0), self.store is not None)
                 if isinstance(first, Refuse):  # unknown keys: refused before anything else
                     raise first.error
                 send = await ticket.take()

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .._checks import check_number
+from ..config import MAX_REPLY_SPIN
 from ..slabs import KiB, MiB
 from ..testing.devices import peer_device
 from ..testing.peer_process import LayoutSpec
@@ -101,9 +103,8 @@ class BenchOptions:
                                                      or not 1 <= self.serving_small_trips <= 1024):
             raise ValueError("serving_small_trips must be an int from 1 to 1024, got "
                              f"{self.serving_small_trips!r}")
-        if self.reply_spin is not None and (isinstance(self.reply_spin, bool) or not isinstance(
-                self.reply_spin, (int, float)) or not 0 <= self.reply_spin <= 0.01):
-            raise ValueError(f"reply_spin must be seconds from 0 to 0.01, got {self.reply_spin!r}")
+        if self.reply_spin is not None:  # (InvalidRequestError is a ValueError)
+            check_number("reply_spin", self.reply_spin, maximum=MAX_REPLY_SPIN)
         if type(self.serving_rounds) is not int or not 1 <= self.serving_rounds <= 100:
             raise ValueError(f"serving_rounds must be an int from 1 to 100, got {self.serving_rounds!r}")
         if self.device not in ("auto", "cpu", "cuda"):
