@@ -112,20 +112,26 @@ def test_many_scattered_slots_use_long_indices(path):
 from xavier_async.planning import Planner  # noqa: E402
 
 
-def _run_tables_roundtrip(src, dst, request, full=4096, device_runs=None):
+def _run_tables_roundtrip(src, dst, request, full=4096, device_runs=None, prepared=False):
     """Plan ``request`` with the cached planner, pack each batch from ``src`` with source
-    slots = keys, copy the slab, unpack into ``dst``; returns the planned batches."""
+    slots = keys, copy the slab, unpack into ``dst``; returns the planned batches.
+    ``prepared``: the unpack's run table is made before the slab's bytes arrive (as a
+    receiver does while its request is out)."""
     layout = CacheLayout.of(dst)
     sizes = [s.block_nbytes for s in layout.layers.values()]
     send = torch.zeros(full, dtype=torch.uint8)
     recv = torch.zeros(full, dtype=torch.uint8)
     src_t, dst_t = packing.CacheTable(packing.byte_rows(src)), packing.CacheTable(packing.byte_rows(dst))
     batches = Planner(layout, full).plan(request)
+    rows = packing.SlabRows(recv, sizes)
     for b in batches:
+        table = packing.unpack_runs(rows, b, dst_t, device_runs) if prepared else None
+        if prepared:
+            assert table is not None  # memmove runs (or the fused kernel's): a table exists
         packing.pack(packing.SlabRows(send, sizes), b.segments, [list(s.keys) for s in b.segments],
                      src_t, device_runs)
         recv.copy_(send)
-        packing.unpack(packing.SlabRows(recv, sizes), b, dst_t, device_runs)
+        packing.unpack(rows, b, dst_t, device_runs, table=table)
     return batches
 
 
@@ -147,10 +153,11 @@ def _assert_bytes(dst, want):
 @settings(max_examples=60, deadline=None)
 @given(picks=st.lists(st.tuples(st.sampled_from([0, 1, 2]), st.integers(0, 31), st.integers(0, 31),
                                 st.integers(0, 2)), min_size=1, max_size=40),
-       uniform=st.booleans(), full=st.sampled_from([512, 4096]))
-def test_run_tables_match_blockwise_reference(picks, uniform, full):
+       uniform=st.booleans(), full=st.sampled_from([512, 4096]), prepared=st.booleans())
+def test_run_tables_match_blockwise_reference(picks, uniform, full, prepared):
     """Scattered, consecutive, fan-out and uniform requests, split across batches: the run
-    tables move exactly the block-by-block reference's bytes (BF16 as bytes)."""
+    tables move exactly the block-by-block reference's bytes (BF16 as bytes), whether the
+    unpack makes its table or is handed one made before the bytes arrived."""
     src = _caches(SHAPES, torch.bfloat16, True, seed=1)
     dst = _caches(SHAPES, torch.bfloat16, False)
     before = {k: v.clone() for k, v in dst.items()}
@@ -158,10 +165,22 @@ def test_run_tables_match_blockwise_reference(picks, uniform, full):
     if uniform:  # the same single-slot blocks in every layer: the cached, shape-planned path
         first = {k: (s if isinstance(s, int) else s[0]) for k, s in next(iter(request.values())).items()}
         request = {layer: dict(first) for layer in SHAPES}
-    batches = _run_tables_roundtrip(src, dst, {5: request}, full)
+    batches = _run_tables_roundtrip(src, dst, {5: request}, full, prepared=prepared)
     if uniform:
         assert all(b.shape is not None for b in batches)
     _assert_bytes(dst, _expected(before, src, {5: request}))
+
+
+def test_no_run_table_where_the_unpack_scatters(monkeypatch):
+    """Without memmove runs on the CPU the unpack scatters with index ops: no table to
+    make ahead (the receiver's unpack then scatters as before)."""
+    monkeypatch.setattr(packing, "HOST_MEMMOVE", False)
+    dst = _caches(SHAPES, torch.bfloat16, False)
+    layout = CacheLayout.of(dst)
+    recv = packing.SlabRows(torch.zeros(4096, dtype=torch.uint8),
+                            [s.block_nbytes for s in layout.layers.values()])
+    batch = Planner(layout, 4096).plan({5: {0: {3: 7}}})[0]
+    assert packing.unpack_runs(recv, batch, packing.CacheTable(packing.byte_rows(dst))) is None
 
 
 def test_scattered_slots_are_memmoved_not_indexed(monkeypatch):

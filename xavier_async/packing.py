@@ -485,18 +485,30 @@ def pack(slab: SlabRows, segments: Sequence[Segment], slot_lists: Sequence[Seque
     return None
 
 
+def unpack_runs(slab: SlabRows, batch: Any, caches: CacheTable,
+                device_runs: DeviceRuns | None = None) -> RunTable | None:
+    """The run table :func:`unpack` copies ``batch`` with (None where it scatters with
+    index ops instead): pure arithmetic on the slab's address, so a receiver can make it
+    while the batch's bytes are still on their way."""
+    if device_runs is not None or (slab.device.type == "cpu" and HOST_MEMMOVE):
+        return unpack_table(slab.ptr, batch, caches)
+    return None
+
+
 def unpack(slab: SlabRows, batch: Any, caches: CacheTable,
-           device_runs: DeviceRuns | None = None, wait: bool = True) -> Any:
+           device_runs: DeviceRuns | None = None, wait: bool = True,
+           table: RunTable | None = None) -> Any:
     """Receiver side, one pass: copy a batch from the slab into its slots (see
     :func:`pack`). On CUDA with ``device_runs`` and ``wait=False`` the returned event must
     complete before the slab is written again, and work that reads the slots must wait on
     it (``torch.cuda.current_stream().wait_event(event)``); with ``wait=True`` only that
-    event is waited for."""
+    event is waited for. ``table``: :func:`unpack_runs` of the same arguments, made
+    earlier."""
     if slab.device.type == "cpu" and HOST_MEMMOVE and device_runs is None:
-        run_host(unpack_table(slab.ptr, batch, caches))
+        run_host(table if table is not None else unpack_table(slab.ptr, batch, caches))
         return None
     if device_runs is not None:
-        event = device_runs.run(unpack_table(slab.ptr, batch, caches))
+        event = device_runs.run(table if table is not None else unpack_table(slab.ptr, batch, caches))
         if event is not None and wait:
             event.synchronize()
             return None

@@ -37,7 +37,7 @@ from .errors import (EndpointClosedError, IntegrityError, InternalError, Invalid
 from .fairpool import Ticket
 from .layout import BlockKey, LayerId
 from .merging import MergedBatch, Moved
-from .packing import SlabRows, unpack
+from .packing import RunTable, SlabRows, unpack, unpack_runs
 from .peers import PeerTable
 from .planning import LoadRequest, PlannedBatch, Planner
 from .protocol import Error, Landed, PendingRequest, Probe, RequestTable, load_wire
@@ -364,6 +364,7 @@ class Receiver:
         lone = batch.nbytes <= self._small and not len(self.requests) and rt.inflight == 1
         spin = self._spin if lone and not self._slow_replies else 0.0
         polled = False  # the reply came within the spin: nothing was awaited since pass_held
+        table = None  # the unpack's runs, made while the source works (spin path)
         landed = self._landing()
         req = self.requests.open(src, landed.set)
         timeout = self._config.request_timeout
@@ -390,6 +391,7 @@ class Receiver:
                 # a transport that polls inline sends without yielding: the request goes
                 # out whole or not at all, nothing can cancel it half way
                 await request()
+                table = self._runs(batch, slab)
                 # the load's schedule point, while the source works (a cancellation that
                 # comes through it is held: the copy is started)
                 held = await landed.pass_held()
@@ -440,13 +442,25 @@ class Receiver:
                     f"batch from rank {src} failed verification (digest {got}, the source "
                     f"sent {req.digest}): not unpacked, the slots keep their contents")
         t_unpack = perf_counter_ns()
-        await self._unpack(batch, slab)
+        await self._unpack(batch, slab, table)
         rt.stages.unpack.record(perf_counter_ns() - t_unpack)
         m.batches_received += 1
         m.bytes_received += req.wire_bytes
         return Moved(req.wire_bytes, *req.tiers)
 
-    async def _unpack(self, batch: PlannedBatch | MergedBatch, slab: Slab) -> None:
+    def _runs(self, batch: PlannedBatch | MergedBatch, slab: Slab) -> RunTable | None:
+        """The unpack's run table for ``batch`` out of ``slab``, made while the request is
+        out (off the load's critical path); None if it cannot be made now (the unpack then
+        makes it, and raises what it raises)."""
+        caches = self._rt.caches
+        try:
+            return unpack_runs(self.slabs.rows[slab.index], batch, caches.table,
+                               caches.device_runs)
+        except Exception:  # noqa: BLE001 - a started copy must still be waited for
+            return None
+
+    async def _unpack(self, batch: PlannedBatch | MergedBatch, slab: Slab,
+                      table: RunTable | None = None) -> None:
         # one pass (memmoves on the CPU, one fused launch on CUDA). This receive slab is
         # lent again only after its unpack has run (_recv_slab_free). Stream-ordered: only
         # enqueued, and the caches' current stream waits on its event. Otherwise its event
@@ -455,7 +469,7 @@ class Receiver:
         # while the device copies a large batch instead of the event loop blocking
         caches = self._rt.caches
         event = unpack(self.slabs.rows[slab.index], batch, caches.table, caches.device_runs,
-                       wait=False)
+                       wait=False, table=table)
         if event is None:
             return
         self._unpacked[slab.index] = event
