@@ -585,3 +585,67 @@ def test_the_installed_command_is_the_bench_cli():
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two CPUs")
+def test_a_pinned_rig_gives_this_thread_its_cpus_back(monkeypatch):
+    """A rig pinned to one CPU (hosts with >= 4 cores, CPU runs) pins this thread only while
+    the rig lives: the protocol floor's source, started after it, must not inherit that one
+    CPU and time-slice against the loader (16 ms loads on a 16-core host)."""
+    import anyio
+
+    from xavier_async.bench import suite
+    from xavier_async.testing.peer_process import check_loaded, pattern_caches, zero_slots
+
+    before = os.sched_getaffinity(0)
+    cpus = sorted(before)[:2]
+    monkeypatch.setattr(suite, "pick_cpus", lambda n=2: cpus)
+    o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, device="cpu", pin_cpus=True, quick=True)
+    seen = []
+
+    async def body(rig):
+        seen.append(os.sched_getaffinity(0))
+        req = suite._load_request(1, rig.layout.layers, rig.layout)
+        zero_slots(rig.ep.caches, req)
+        await rig.ep.load(req)
+        return check_loaded(rig.ep.caches, req, {suite.PEER: pattern_caches(rig.layout, suite.PEER, o.seed)})
+
+    assert anyio.run(suite._with_rig, o, body) == bench_layout(FULL).layers
+    assert seen == [{cpus[0]}]
+    assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two CPUs")
+def test_the_protocol_floor_runs_where_it_is_told_not_where_its_thread_was_pinned():
+    """Called from a thread pinned to one CPU (a worker thread started while a rig was
+    pinned), the floor puts its loader and its source on the CPUs it is given, checks its
+    bytes, and gives the thread its one CPU back."""
+    import threading
+
+    from xavier_async.bench.protocol_floor import _Loader, protocol_floor
+
+    layout = LayoutSpec(layers=2, num_slots=8, block_shape=(4, 64), dtype="bfloat16")
+    every = sorted(os.sched_getaffinity(0))
+    out: dict = {}
+
+    def pinned_thread():
+        os.sched_setaffinity(0, every[:1])
+        out["floor"] = protocol_floor(layout, 64 << 10, "cpu", iters=5, warmup=2,
+                                      names=["small"], cpus=(every[1:2], every[:1]))
+        out["after"] = os.sched_getaffinity(0)
+        loader = _Loader("cpu", layout, 64 << 10, 0, source_cpus=every)
+        try:
+            loader.load(0, True)  # (the connection is up: the source hears its quit)
+            out["source"] = loader.source_cpus
+            out["loaded"] = loader.check(0)
+        finally:
+            loader.close()
+
+    t = threading.Thread(target=pinned_thread)
+    t.start()
+    t.join(120)
+    assert out["floor"]["small"]["bytes_ok"] and out["floor"]["small"]["gather"]["n"] == 5
+    assert out["after"] == set(every[:1])
+    assert out["source"] == every and out["loaded"]  # not the spawning thread's one CPU

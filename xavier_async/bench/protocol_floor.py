@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -94,7 +95,10 @@ class _Side:
         return self.agent.get_agent_metadata(), self.slab.data_ptr(), self.dev_id, self.mem
 
 
-def _source_main(conn: Any, device: str, layout: LayoutSpec, full_bytes: int, seed: int) -> None:
+def _source_main(conn: Any, device: str, layout: LayoutSpec, full_bytes: int, seed: int,
+                 cpus: Sequence[int] | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     side = _Side("floor-source", 1, device, layout, full_bytes, seed)
     agent, slab, cache = side.agent, side.slab, side.cache
     conn.send(side.meta())
@@ -106,7 +110,7 @@ def _source_main(conn: Any, device: str, layout: LayoutSpec, full_bytes: int, se
         "WRITE", agent.get_xfer_descs([(slab.data_ptr(), ls * n * bn, side.dev_id)], side.mem),
         agent.get_xfer_descs([(ptr, ls * n * bn, dev)], mem), loader) for ls, n in shapes]
     views = [slab[: ls * n * bn].view(ls, n, bn) for ls, n in shapes]
-    conn.send("ready")
+    conn.send(("ready", sorted(os.sched_getaffinity(0))))
     poll = agent.get_new_notifs
     while True:
         for msg in poll().get(loader, ()):
@@ -130,19 +134,23 @@ def _source_main(conn: Any, device: str, layout: LayoutSpec, full_bytes: int, se
 class _Loader:
     """This process's side of the floor, and the source process it drives."""
 
-    def __init__(self, device: str, layout: LayoutSpec, full_bytes: int, seed: int) -> None:
+    def __init__(self, device: str, layout: LayoutSpec, full_bytes: int, seed: int,
+                 source_cpus: Sequence[int] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, theirs = ctx.Pipe()
         self.proc = ctx.Process(target=_source_main, daemon=True,
-                                args=(theirs, device, layout, full_bytes, seed))
+                                args=(theirs, device, layout, full_bytes, seed, source_cpus))
         self.proc.start()
         self.layout, self.seed = layout, seed
         self.side = _Side("floor-loader", 0, device, layout, full_bytes, seed + 1)
         meta = self._recv(120)
         self.conn.send(self.side.meta())
         self.source = _name(self.side.agent.add_remote_agent(meta[0]))
-        if self._recv(60) != "ready":
+        ready = self._recv(60)
+        if not isinstance(ready, tuple) or ready[0] != "ready":
             raise RuntimeError("the protocol-floor source did not start")
+        #: the CPUs the source process may run on
+        self.source_cpus: list[int] = ready[1]
         while not self.side.agent.check_remote_metadata(self.source):
             time.sleep(0.001)
         self.shapes = list(floor_shapes(layout, full_bytes).values())
@@ -224,13 +232,24 @@ async def _timed_async(fn: Callable[[], Any], iters: int, warmup: int) -> list[f
 
 def protocol_floor(layout: LayoutSpec, full_bytes: int, device: str, iters: int,
                    warmup: int = 20, seed: int = 0,
-                   names: Sequence[str] | None = None) -> dict[str, Any]:
+                   names: Sequence[str] | None = None,
+                   cpus: tuple[Sequence[int], Sequence[int]] | None = None) -> dict[str, Any]:
     """Per shape (the load rows' names): p50/p95/mean of each mode, the shape's bytes, and
     whether the gathered bytes were right. Runs its own two processes (call it with no
-    other bench process polling)."""
+    other bench process polling). ``cpus``: (the loader's, the source's) CPUs; the loader
+    is the calling thread, whose affinity is restored afterwards. Both poll without
+    yielding: sharing one CPU they would take turns a timeslice at a time."""
     shapes = floor_shapes(layout, full_bytes)
     wanted = list(names or shapes)
-    loader = _Loader(device, layout, full_bytes, seed)
+    before = os.sched_getaffinity(0) if cpus is not None else None
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus[0])
+    try:
+        loader = _Loader(device, layout, full_bytes, seed, cpus[1] if cpus is not None else None)
+    except BaseException:
+        if before is not None:
+            os.sched_setaffinity(0, before)
+        raise
     try:
         out: dict[str, Any] = {}
         for i, (name, (ls, n)) in enumerate(shapes.items()):
@@ -247,6 +266,8 @@ def protocol_floor(layout: LayoutSpec, full_bytes: int, device: str, iters: int,
         return out
     finally:
         loader.close()
+        if before is not None:
+            os.sched_setaffinity(0, before)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

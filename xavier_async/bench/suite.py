@@ -606,16 +606,24 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
                     config=cfg, hello_extras={RAW_COPIES: True},
                     torch_threads=1 if device == "cpu" else None,
                     cpus=[cpus[1]] if cpus else None)
+    # this thread is pinned for the rig's life only: processes and threads started later
+    # (the protocol floor's source, a worker thread that spawns the next rig's peer) would
+    # inherit the one CPU and time-slice against it (16 ms loads on a 16-core host)
+    unpinned = os.sched_getaffinity(0)
     if cpus:
         os.sched_setaffinity(0, [cpus[0]])
-    peer_proc = await anyio.to_thread.run_sync(PeerProcess, spec)
     try:
-        async with Endpoint(0, caches, NixlTransport(), EndpointConfig(**cfg)) as ep:
-            await ep.connect(peer_proc.address)
-            _fill_send_slab(ep, o.seed)
-            return await body(NixlRig(ep, peer_proc, layout))
+        peer_proc = await anyio.to_thread.run_sync(PeerProcess, spec)
+        try:
+            async with Endpoint(0, caches, NixlTransport(), EndpointConfig(**cfg)) as ep:
+                await ep.connect(peer_proc.address)
+                _fill_send_slab(ep, o.seed)
+                return await body(NixlRig(ep, peer_proc, layout))
+        finally:
+            await anyio.to_thread.run_sync(peer_proc.close)
     finally:
-        await anyio.to_thread.run_sync(peer_proc.close)
+        if cpus:
+            os.sched_setaffinity(0, unpinned)
 
 
 def physical_cores() -> list[list[int]]:
@@ -689,9 +697,14 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         report("protocol floor")
         layout = bench_layout(o.full_bytes)
         try:
+            # its processes on the CPUs the rig's had, or on all of them: never on the
+            # one CPU a worker thread started while the rig was pinned still has
+            pin = pick_cpus(2) if o.resolved_pin() else None
+            every = sorted(os.sched_getaffinity(0))
+            cpus = ([pin[0]], [pin[1]]) if pin else (every, every)
             res["protocol_floor"] = await anyio.to_thread.run_sync(
                 lambda: protocol_floor(layout, o.full_bytes, device, iters=max(20, o.loads),
-                                       warmup=min(o.warmup, 20), seed=o.seed))
+                                       warmup=min(o.warmup, 20), seed=o.seed, cpus=cpus))
         except Exception as exc:  # reported beside the loads; the other sections stand
             res["protocol_floor"] = {"error": f"{type(exc).__name__}: {exc}"}
         res["targets"].update(protocol_targets(res))
