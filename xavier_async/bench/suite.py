@@ -609,7 +609,7 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
     # this thread is pinned for the rig's life only: processes and threads started later
     # (the protocol floor's source, a worker thread that spawns the next rig's peer) would
     # inherit the one CPU and time-slice against it (16 ms loads on a 16-core host)
-    unpinned = os.sched_getaffinity(0)
+    unpinned = os.sched_getaffinity(0) if cpus else None
     if cpus:
         os.sched_setaffinity(0, [cpus[0]])
     try:
@@ -622,7 +622,7 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
         finally:
             await anyio.to_thread.run_sync(peer_proc.close)
     finally:
-        if cpus:
+        if unpinned is not None:
             os.sched_setaffinity(0, unpinned)
 
 
@@ -700,8 +700,8 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
             # its processes on the CPUs the rig's had, or on all of them: never on the
             # one CPU a worker thread started while the rig was pinned still has
             pin = pick_cpus(2) if o.resolved_pin() else None
-            every = sorted(os.sched_getaffinity(0))
-            cpus = ([pin[0]], [pin[1]]) if pin else (every, every)
+            every = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+            cpus = ([pin[0]], [pin[1]]) if pin else (every, every) if every else None
             res["protocol_floor"] = await anyio.to_thread.run_sync(
                 lambda: protocol_floor(layout, o.full_bytes, device, iters=max(20, o.loads),
                                        warmup=min(o.warmup, 20), seed=o.seed, cpus=cpus))
