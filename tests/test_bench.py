@@ -590,9 +590,10 @@ def test_the_installed_command_is_the_bench_cli():
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs CPU affinity and two CPUs")
 def test_a_pinned_rig_gives_this_thread_its_cpus_back(monkeypatch):
-    """A rig pinned to one CPU (hosts with >= 4 cores, CPU runs) pins this thread only while
-    the rig lives: the protocol floor's source, started after it, must not inherit that one
-    CPU and time-slice against the loader (16 ms loads on a 16-core host)."""
+    """A rig pinned to one CPU (hosts with >= 4 cores, CPU runs) pins this process only
+    while the rig lives: this thread and the threads started meanwhile get their CPUs back,
+    so that nothing started later (the protocol floor's source, the serving section's
+    peers) inherits that one CPU and time-slices on it (16 ms loads on a 16-core host)."""
     import anyio
 
     from xavier_async.bench import suite
@@ -604,16 +605,30 @@ def test_a_pinned_rig_gives_this_thread_its_cpus_back(monkeypatch):
     o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, device="cpu", pin_cpus=True, quick=True)
     seen = []
 
+    import threading
+
+    release = threading.Event()
+    started_inside = threading.Thread(target=release.wait)  # as anyio's workers are
+
     async def body(rig):
         seen.append(os.sched_getaffinity(0))
+        started_inside.start()
+        seen.append(os.sched_getaffinity(started_inside.native_id))
         req = suite._load_request(1, rig.layout.layers, rig.layout)
         zero_slots(rig.ep.caches, req)
         await rig.ep.load(req)
         return check_loaded(rig.ep.caches, req, {suite.PEER: pattern_caches(rig.layout, suite.PEER, o.seed)})
 
-    assert anyio.run(suite._with_rig, o, body) == bench_layout(FULL).layers
-    assert seen == [{cpus[0]}]
-    assert os.sched_getaffinity(0) == before
+    try:
+        assert anyio.run(suite._with_rig, o, body) == bench_layout(FULL).layers
+        assert seen == [{cpus[0]}, {cpus[0]}]
+        assert os.sched_getaffinity(0) == before
+        # a thread started while the rig was pinned gets the CPUs back too (the processes
+        # it starts later, the serving section's peers, must not share one CPU)
+        assert os.sched_getaffinity(started_inside.native_id) == before
+    finally:
+        release.set()
+        started_inside.join(10)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

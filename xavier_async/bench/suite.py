@@ -606,9 +606,10 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
                     config=cfg, hello_extras={RAW_COPIES: True},
                     torch_threads=1 if device == "cpu" else None,
                     cpus=[cpus[1]] if cpus else None)
-    # this thread is pinned for the rig's life only: processes and threads started later
-    # (the protocol floor's source, a worker thread that spawns the next rig's peer) would
-    # inherit the one CPU and time-slice against it (16 ms loads on a 16-core host)
+    # this thread is pinned for the rig's life only: threads started meanwhile (anyio's
+    # workers, which later spawn the protocol floor's source and the serving section's
+    # peers) would keep the one CPU, and processes they start would time-slice on it
+    # (16 ms loads on a 16-core host): every thread of this process gets its CPUs back
     unpinned = os.sched_getaffinity(0) if cpus else None
     if cpus:
         os.sched_setaffinity(0, [cpus[0]])
@@ -623,7 +624,20 @@ async def _with_rig(o: BenchOptions, body: Callable[[Rig], Any]) -> Any:
             await anyio.to_thread.run_sync(peer_proc.close)
     finally:
         if unpinned is not None:
-            os.sched_setaffinity(0, unpinned)
+            _unpin_threads(unpinned)
+
+
+def _unpin_threads(cpus: set[int]) -> None:
+    """Give every thread of this process ``cpus`` (Linux: a thread id is a pid here)."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # it ended meanwhile
+            pass
 
 
 def physical_cores() -> list[list[int]]:
