@@ -213,10 +213,7 @@ def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int
         try:
             slots = _getter(block_keys)(table)
         except (KeyError, TypeError):
-            missing = [k for k in block_keys
-                       if not isinstance(k, (int, str, bytes)) or k not in table]
-            return Refuse(load.req_id, InvalidRequestError(
-                f"block key(s) {missing[:4]!r} not published in layer {layers[0]!r}"))
+            return _unpublished(load.req_id, block_keys, table, layers[0])
         return [slots] * len(layers)
     slot_lists: list[Sequence[int]] = []
     keys: tuple[BlockKey, ...] | None = None
@@ -230,10 +227,16 @@ def slots_of(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int
         try:
             slot_lists.append(get(table))  # one C call for every key of the segment
         except (KeyError, TypeError):  # unknown or unhashable keys
-            missing = [k for k in seg_keys if not isinstance(k, (int, str, bytes)) or k not in table]
-            return Refuse(load.req_id, InvalidRequestError(
-                f"block key(s) {missing[:4]!r} not published in layer {layer!r}"))
+            return _unpublished(load.req_id, seg_keys, table, layer)
     return slot_lists
+
+
+def _unpublished(req_id: int, keys: Sequence[BlockKey], table: Mapping[BlockKey, int],
+                 layer: LayerId) -> Refuse:
+    """The refusal naming the (first few) ``keys`` that ``table`` lacks or cannot hold."""
+    missing = [k for k in keys if not isinstance(k, (int, str, bytes)) or k not in table]
+    return Refuse(req_id, InvalidRequestError(
+        f"block key(s) {missing[:4]!r} not published in layer {layer!r}"))
 
 
 def decide(load: ParsedLoad, published: Mapping[LayerId, Mapping[BlockKey, int]],
