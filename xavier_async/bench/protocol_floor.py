@@ -244,13 +244,9 @@ def protocol_floor(layout: LayoutSpec, full_bytes: int, device: str, iters: int,
     before = os.sched_getaffinity(0) if cpus is not None else None
     if cpus is not None:
         os.sched_setaffinity(0, cpus[0])
+    loader: _Loader | None = None
     try:
         loader = _Loader(device, layout, full_bytes, seed, cpus[1] if cpus is not None else None)
-    except BaseException:
-        if before is not None:
-            os.sched_setaffinity(0, before)
-        raise
-    try:
         out: dict[str, Any] = {}
         for i, (name, (ls, n)) in enumerate(shapes.items()):
             if name not in wanted:
@@ -265,7 +261,8 @@ def protocol_floor(layout: LayoutSpec, full_bytes: int, device: str, iters: int,
             out[name] = row
         return out
     finally:
-        loader.close()
+        if loader is not None:
+            loader.close()
         if before is not None:
             os.sched_setaffinity(0, before)
 

@@ -711,11 +711,10 @@ async def run(o: BenchOptions, report: Callable[[str], None] = lambda s: None) -
         report("protocol floor")
         layout = bench_layout(o.full_bytes)
         try:
-            # its processes on the CPUs the rig's had, or on all of them: never on the
-            # one CPU a worker thread started while the rig was pinned still has
+            # where the run pins, its two processes on the CPUs the rig's had (the rig
+            # gave every thread its CPUs back when it ended)
             pin = pick_cpus(2) if o.resolved_pin() else None
-            every = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-            cpus = ([pin[0]], [pin[1]]) if pin else (every, every) if every else None
+            cpus = ([pin[0]], [pin[1]]) if pin else None
             res["protocol_floor"] = await anyio.to_thread.run_sync(
                 lambda: protocol_floor(layout, o.full_bytes, device, iters=max(20, o.loads),
                                        warmup=min(o.warmup, 20), seed=o.seed, cpus=cpus))
