@@ -7,7 +7,7 @@ persistent pre-registered slabs, with every peer channel driven by a state machi
 from typing import TYPE_CHECKING, Any
 
 from .channel import PeerChannel
-from .endpoint import Endpoint, EndpointConfig, LoadResult
+from .endpoint import Endpoint, EndpointConfig, LoadResult, PeerWatcher
 from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InternalError,
                      InvalidRequestError, LayoutMismatchError, ListenError, PeerLostError,
                      RegistrationError, RemoteError,
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "ALL_LAYERS", "ChannelPolicy", "build_machine", "Endpoint", "EndpointConfig", "LoadResult",
+    "ALL_LAYERS", "ChannelPolicy", "build_machine", "Endpoint", "EndpointConfig", "LoadResult", "PeerWatcher",
     "PeerChannel", "RetryPolicy", "EndpointMetrics", "PeerMetrics",
     "Transport", "LocalFabric", "LocalTransport", "NixlTransport", "SlabSizes", "PublishResult",
     "XavierError", "InvalidRequestError", "LayoutMismatchError", "UnknownPeerError",

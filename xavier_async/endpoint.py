@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import torch
@@ -32,8 +32,8 @@ from .metrics import EndpointMetrics
 from .peers import PeerTable
 from .planning import LoadRequest
 from .policy import ChannelPolicy
-from .protocol import (BlockLoad, Error, Hello, Landed, Load, Probe, ProtocolError, check_hello, decode,
-                       peer_facts)
+from .protocol import (Announce, BlockLoad, Error, Hello, Landed, Load, Probe, ProtocolError,
+                       announce_wires, check_hello, decode, peer_facts)
 from .receiver import Receiver
 from .runtime import Caches, Runtime
 from .shielded import wait_terminal
@@ -45,6 +45,21 @@ from .transports.base import Transport
 from .transports.local import LocalTransport
 
 log = logging.getLogger("xavier_async")
+
+
+class PeerWatcher(Protocol):
+    """What :meth:`Endpoint.watch` calls, on the endpoint's event-loop thread: it must
+    not block (hand the facts to your own thread or queue). A watcher that raises is
+    logged and kept."""
+
+    def joined(self, peer: int) -> None:
+        """``peer`` connected (or reconnected: what it announced before is void)."""
+
+    def lost(self, peer: int) -> None:
+        """``peer`` is gone (lost, or disconnected)."""
+
+    def announced(self, peer: int, message: Announce) -> None:
+        """``peer`` announced which keys it holds now (:meth:`Endpoint.announce`)."""
 
 
 class Endpoint:
@@ -82,6 +97,7 @@ class Endpoint:
         self._source = Source(rt, self._peers)
         #: optional hello fields, uninterpreted by the engine (:mod:`xavier_async._internal`)
         self._hello_extras: dict[str, Any] = {}
+        self._watchers: list[PeerWatcher] = []
         self._host = _Host(self)
         self._closed = anyio.Event()
         self._stack: AsyncExitStack | None = None
@@ -287,6 +303,50 @@ class Endpoint:
         rec = self._peers.get(peer)
         return rec.hello if rec is not None else {}
 
+    def watch(self, watcher: PeerWatcher) -> None:
+        """Call ``watcher`` when a peer joins, is lost, or announces what it holds
+        (:class:`PeerWatcher`); for a directory of which peer holds which block."""
+        for name in ("joined", "lost", "announced"):
+            if not callable(getattr(watcher, name, None)):
+                raise InvalidRequestError(f"a watcher needs a callable {name}(), "
+                                          f"{type(watcher).__name__} has none")
+        self._watchers.append(watcher)
+
+    async def announce(self, published: Sequence[BlockKey], evicted: Sequence[BlockKey] = (), *,
+                       replace: bool = False, peers: Iterable[int] | None = None) -> int:
+        """Tell peers (every connected one, or ``peers``) that this endpoint now holds
+        ``published`` and no longer holds ``evicted``; with ``replace``, that it holds
+        exactly ``published``. Nothing is written; a peer hands it to its watchers
+        (:meth:`watch`). Keys are ints (0 <= key < 2**64), strings or bytes. Returns how
+        many peers it reached (a peer lost meanwhile is skipped: its loss is reported
+        as such)."""
+        self._rt.check_open()
+        for key in (*published, *evicted):
+            if type(key) not in (int, str, bytes) or (type(key) is int and not 0 <= key < 1 << 64):
+                raise InvalidRequestError(f"an announced key must be an int in [0, 2**64), "
+                                          f"a str or bytes, got {key!r}")
+        wires = announce_wires(list(published), list(evicted), replace)
+        targets = self._peers.ranks if peers is None else tuple(peers)
+        reached = 0
+        for peer in targets:
+            if self._peers.connected(peer) is None:
+                continue
+            try:
+                for wire in wires:
+                    await self.transport.send(peer, wire)
+            except XavierError as exc:
+                log.debug("rank %d: announce to rank %d failed: %s", self.rank, peer, exc)
+                continue
+            reached += 1
+        return reached
+
+    def _tell_watchers(self, event: str, *args: Any) -> None:
+        for watcher in self._watchers:
+            try:
+                getattr(watcher, event)(*args)
+            except Exception:
+                log.exception("rank %d: peer watcher %r failed on %s", self.rank, watcher, event)
+
     def _hello(self) -> Hello:
         # ranks we may still write: a copy not yet terminal, or a connection we have not
         # seen end (a peer that reconnects to us meanwhile must not trust it is over)
@@ -310,6 +370,7 @@ class Endpoint:
             old.policy.reset()
         if cfg.map_eagerly and self._rt.running:
             self._rt.spawn(self._map_all, peer, ch)
+        self._tell_watchers("joined", peer)
 
     async def _map_all(self, peer: int, ch: PeerChannel) -> None:
         """``map_eagerly``: map every (send slab, view, receive slab) pair for ``peer``."""
@@ -331,6 +392,7 @@ class Endpoint:
         ch = self._peers.lose(peer, str(exc))
         if ch is not None:
             ch.reset_now()
+        self._tell_watchers("lost", peer)
         if disconnect and self._rt.running:
             self._rt.spawn(self._disconnect_lost, peer)
 
@@ -423,6 +485,8 @@ class Endpoint:
             self._source.on_load(peer, message, inline)
         elif isinstance(message, Probe):
             self._source.on_probe(peer, message)
+        elif isinstance(message, Announce):
+            self._tell_watchers("announced", peer, message)
         else:
             self._receiver.on_reply(peer, message)
 
@@ -503,4 +567,4 @@ class _Host:
         self._ep._peer_lost(peer, exc)
 
 
-__all__ = ["Endpoint", "EndpointConfig", "LoadResult"]
+__all__ = ["Endpoint", "EndpointConfig", "LoadResult", "PeerWatcher"]

@@ -1,7 +1,7 @@
 """The wire protocol between endpoints and the source's serve decision (pure: no I/O, no
 event loop, no transport).
 
-Control messages are one of three frozen dataclasses, each with ``to_wire``/``from_wire``:
+Control messages are frozen dataclasses, each with ``to_wire``/``from_wire``:
 
 * :class:`Load` (receiver -> source): serve batch ``batch`` under request id ``req_id``,
   into the receiver's receive slab number ``slab``, under the pair's ``epoch``;
@@ -13,7 +13,10 @@ Control messages are one of three frozen dataclasses, each with ``to_wire``/``fr
 * :class:`Landed` (source -> receiver, carried by the WRITE): the batch's bytes are in the
   receiver's receive slab (with a digest of the payload when the receiver asked for one);
 * :class:`Error` (source -> receiver): the source refused or failed the request;
-  ``settled`` says whether the source is sure no write of it can still land.
+  ``settled`` says whether the source is sure no write of it can still land;
+* :class:`Announce` (either way): which block keys the sender now holds or no longer
+  holds, for a peer's directory of who holds what (nothing is written; the engine only
+  hands it to the application's :class:`~xavier_async.endpoint.PeerWatcher`).
 
 On the wire a message is ``b"XA"``, one tag byte and its body. The hot path's messages
 (:class:`BlockLoad`, :class:`Landed`) are fixed-layout binary (``struct``, little-endian);
@@ -48,6 +51,9 @@ BLOCK_TAG: Final = b"B"
 LANDED_TAG: Final = b"D"
 ERROR_TAG: Final = b"E"
 PROBE_TAG: Final = b"P"
+ANNOUNCE_TAG: Final = b"N"
+#: the most keys one :class:`Announce` carries (:func:`announce_wires` splits longer lists)
+MAX_ANNOUNCE_KEYS: Final = 512
 
 
 class ProtocolError(ValueError):
@@ -356,10 +362,55 @@ class Error:
         return cls(_req_id(body[0]), body[1], body[2], bool(body[3]))
 
 
-Message = Union[Load, BlockLoad, Probe, Landed, Error]
+def _announced_keys(value: object) -> tuple[Any, ...]:
+    if not isinstance(value, list) or len(value) > MAX_ANNOUNCE_KEYS:
+        raise ProtocolError("malformed ANNOUNCE key list")
+    for key in value:
+        if type(key) not in (int, str, bytes) or (type(key) is int and key not in _COUNT_RANGE):
+            raise ProtocolError(f"malformed announced key {key!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Announce:
+    """Either way: the sender now holds ``published`` and no longer holds ``evicted``;
+    with ``replace`` the sender holds exactly ``published`` (what a peer gets when it
+    joins, or after a resync; a long list travels as several messages, only the first with
+    ``replace``). Keys are ints (0 <= key < 2**64), strings or bytes."""
+
+    published: tuple[Any, ...] = ()
+    evicted: tuple[Any, ...] = ()
+    replace: bool = False
+
+    def to_wire(self) -> bytes:
+        return _encode(ANNOUNCE_TAG, [list(self.published), list(self.evicted), int(self.replace)])
+
+    @classmethod
+    def from_body(cls, body: Any) -> Announce:
+        if not isinstance(body, list) or len(body) != 3 or body[2] not in (0, 1) \
+                or type(body[2]) is not int:
+            raise ProtocolError("malformed ANNOUNCE body")
+        return cls(_announced_keys(body[0]), _announced_keys(body[1]), bool(body[2]))
+
+
+def announce_wires(published: Sequence[Any], evicted: Sequence[Any] = (),
+                   replace: bool = False) -> list[bytes]:
+    """The :class:`Announce` messages that say this, each at most
+    :data:`MAX_ANNOUNCE_KEYS` keys a list (one message even when both are empty, so that
+    ``replace`` with nothing published still says "I hold nothing")."""
+    out: list[bytes] = []
+    step = MAX_ANNOUNCE_KEYS
+    for i in range(0, max(len(published), len(evicted), 1), step):
+        out.append(Announce(tuple(published[i:i + step]), tuple(evicted[i:i + step]),
+                            replace and i == 0).to_wire())
+    return out
+
+
+Message = Union[Load, BlockLoad, Probe, Landed, Error, Announce]
 #: the JSON messages, by tag
 _BY_TAG: Final[Mapping[bytes, Callable[[Any], Message]]] = {
-    LOAD_TAG: Load.from_body, PROBE_TAG: Probe.from_body, ERROR_TAG: Error.from_body}
+    LOAD_TAG: Load.from_body, PROBE_TAG: Probe.from_body, ERROR_TAG: Error.from_body,
+    ANNOUNCE_TAG: Announce.from_body}
 #: the binary messages, by their first three bytes
 _BINARY: Final[Mapping[bytes, Callable[[bytes], Message]]] = {
     _BLOCK_PREFIX: BlockLoad.from_wire, _LANDED_PREFIX: Landed.from_wire}
@@ -562,5 +613,6 @@ class RequestTable:
 
 __all__ = ["PROTOCOL_VERSION", "ProtocolError", "Load", "BlockLoad", "BlockForm", "load_wire",
            "block_load_wire", "pack_layers", "packed_keys", "MAX_BLOCK_KEYS", "Probe", "Landed", "Error", "ERROR_KINDS",
+           "Announce", "announce_wires", "MAX_ANNOUNCE_KEYS",
            "Message", "decode", "Hello", "PeerFacts", "peer_facts", "check_hello",
            "PendingRequest", "RequestTable"]
