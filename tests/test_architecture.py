@@ -22,6 +22,7 @@ LAYERS = {
               "_internal", "__init__"],
     "transports": ["transports"],
     "testing": ["testing"],
+    "vllm": ["vllm"],
     "bench": ["bench"],
     "demo": ["demo"],
 }
@@ -32,13 +33,16 @@ ALLOWED = {
     "shell": {"core", "shell", "transports"},
     "transports": {"core", "transports"},
     "testing": {"core", "shell", "transports", "testing"},
-    "bench": {"core", "shell", "transports", "testing", "bench", "demo"},  # the CLI hosts `demo`
+    "vllm": {"core", "shell", "transports", "vllm"},
+    "bench": {"core", "shell", "transports", "testing", "vllm", "bench", "demo"},  # the CLI hosts `demo`
     "demo": {"core", "shell", "transports", "testing", "demo"},
 }
 #: the shell modules a transport may name (for types only: slabs are what it registers)
 SHELL_TYPES = {"slabs"}
 #: third-party modules the pure core must not import (no event loop, no transport)
 NOT_IN_CORE = {"anyio", "nixl", "trio", "asyncio", "socket"}
+#: the vLLM connector's pure modules (hypothesis drives them without vLLM or a loop)
+VLLM_PURE = {"vllm.directory", "vllm.scheduler", "vllm.metadata", "vllm.settings"}
 
 
 def layer_of(module: str) -> str:
@@ -126,7 +130,25 @@ def test_the_engine_imports_nothing_from_the_harness():
             continue
         for mod in imports_of(path):
             target = internal(mod) or ""
-            assert target.split(".")[0] not in ("testing", "bench", "demo"), f"{name} imports {mod}"
+            assert target.split(".")[0] not in ("testing", "bench", "demo", "vllm"), \
+                f"{name} imports {mod}"
+
+
+def test_the_vllm_connector_s_planning_is_pure():
+    """The directory, the scheduler's planning, the step plan and the settings import
+    neither vLLM nor an event loop, a socket, a thread or NIXL, and only the pure core of
+    the engine."""
+    for name, path in ALL:
+        if name not in VLLM_PURE:
+            continue
+        for mod in imports_of(path):
+            target = internal(mod)
+            if target is None:
+                assert mod.split(".")[0] not in NOT_IN_CORE | {"vllm", "threading", "torch"}, \
+                    f"{name} imports {mod}"
+            else:
+                assert target in VLLM_PURE or layer_of(target) == "core", f"{name} imports {target}"
+    assert VLLM_PURE <= NAMES
 
 
 def test_the_architecture_page_lists_every_layer_and_module():

@@ -1,0 +1,168 @@
+"""The connector's settings: ``kv_connector_extra_config`` parsed and checked (pure).
+
+The keys ``rank``, ``listen`` and ``peers`` are the contract every replica is configured
+by; the others have defaults. Anything wrong raises :class:`InvalidRequestError` naming
+the key, before an endpoint, a socket or a thread exists."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .._checks import check_int
+from ..errors import InvalidRequestError
+
+MiB: Final = 1 << 20
+#: how loads run: inside the step that needs them, or between steps (see docs/integration.md)
+LOAD_MODES: Final = ("sync", "async")
+_KEYS: Final = frozenset({
+    "rank", "listen", "peers", "secret", "verify", "load_mode", "snapshot_bytes",
+    "host_snapshot_bytes", "connect_timeout", "load_timeout", "min_load_blocks", "stats_file"})
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What one replica's :class:`~xavier_async.vllm.XavierConnector` is told."""
+
+    #: unique per replica (the endpoint's rank; every TP worker of the replica shares it)
+    rank: int
+    #: this replica's endpoint, ``host:port`` (TP worker ``t`` listens on ``port + t``)
+    listen: str
+    #: the other replicas' ``listen`` addresses (they may start later, in any order)
+    peers: tuple[str, ...] = ()
+    #: shared secret for the handshake (required by NIXL beyond loopback)
+    secret: str | None = None
+    #: check a digest of every batch (slower; catches corruption on the wire)
+    verify: bool = False
+    #: ``"sync"``: a load runs inside the step that needs it, before the forward;
+    #: ``"async"``: the request waits for it between steps (``WAITING_FOR_REMOTE_KVS``)
+    load_mode: str = "sync"
+    #: the snapshot store's tier on the caches' device (published blocks are copied here)
+    snapshot_bytes: int = 256 * MiB
+    #: the store's host tier (``None``: the library's default; 0: none)
+    host_snapshot_bytes: int | None = None
+    #: seconds one connect attempt to a peer may take
+    connect_timeout: float = 2.0
+    #: seconds a peer has to answer a load before it is declared lost
+    load_timeout: float = 5.0
+    #: loads shorter than this many blocks are not worth a round trip (computed instead)
+    min_load_blocks: int = 1
+    #: where each worker writes its stats as JSON after a step that changed them
+    #: (``{tp}`` is replaced by the TP rank); ``None``: nowhere
+    stats_file: str | None = None
+
+    @property
+    def host(self) -> str:
+        return split_address(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        return split_address(self.listen)[1]
+
+    def listen_of(self, tp_rank: int) -> str:
+        """Where TP worker ``tp_rank`` of this replica listens."""
+        return _shift(self.listen, tp_rank)
+
+    def peers_of(self, tp_rank: int) -> tuple[str, ...]:
+        """Where TP worker ``tp_rank`` of each peer listens (same TP rank: see the docs)."""
+        return tuple(_shift(p, tp_rank) for p in self.peers)
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """``kv_connector_extra_config`` -> settings; :class:`InvalidRequestError` names
+        the first key that is missing, unknown or malformed."""
+        if extra is None or not isinstance(extra, Mapping):
+            raise InvalidRequestError("XavierConnector needs kv_connector_extra_config with "
+                                      "'rank', 'listen' and 'peers'")
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise InvalidRequestError(f"XavierConnector: unknown kv_connector_extra_config key(s) "
+                                      f"{unknown}; known: {sorted(_KEYS)}")
+        for key in ("rank", "listen"):
+            if key not in extra:
+                raise InvalidRequestError(f"XavierConnector: kv_connector_extra_config['{key}'] "
+                                          "is required")
+        rank = check_int("kv_connector_extra_config['rank']", extra["rank"], minimum=0)
+        listen = _address("listen", extra["listen"])
+        peers_in = extra.get("peers", [])
+        if isinstance(peers_in, str) or not isinstance(peers_in, (list, tuple)):
+            raise InvalidRequestError("XavierConnector: kv_connector_extra_config['peers'] must "
+                                      f"be a list of 'host:port' strings, got {peers_in!r}")
+        peers = tuple(_address("peers", p) for p in peers_in)
+        if listen in peers:
+            raise InvalidRequestError(f"XavierConnector: 'peers' names this replica's own "
+                                      f"'listen' address {listen!r}")
+        if len(set(peers)) != len(peers):
+            raise InvalidRequestError(f"XavierConnector: 'peers' names an address twice: {peers}")
+        secret = extra.get("secret")
+        if secret is not None and (not isinstance(secret, str) or not secret):
+            raise InvalidRequestError("XavierConnector: 'secret' must be a non-empty string")
+        verify = extra.get("verify", False)
+        if not isinstance(verify, bool):
+            raise InvalidRequestError(f"XavierConnector: 'verify' must be true or false, got {verify!r}")
+        mode = extra.get("load_mode", "sync")
+        if mode not in LOAD_MODES:
+            raise InvalidRequestError(f"XavierConnector: 'load_mode' must be one of {LOAD_MODES}, "
+                                      f"got {mode!r}")
+        snap = check_int("kv_connector_extra_config['snapshot_bytes']",
+                         extra.get("snapshot_bytes", 256 * MiB), minimum=0)
+        host_snap = extra.get("host_snapshot_bytes")
+        if host_snap is not None:
+            host_snap = check_int("kv_connector_extra_config['host_snapshot_bytes']", host_snap,
+                                  minimum=0)
+        return cls(rank, listen, peers, secret, verify, mode, snap, host_snap,
+                   _seconds("connect_timeout", extra.get("connect_timeout", 2.0)),
+                   _seconds("load_timeout", extra.get("load_timeout", 5.0)),
+                   check_int("kv_connector_extra_config['min_load_blocks']",
+                             extra.get("min_load_blocks", 1), minimum=1),
+                   _path(extra.get("stats_file")))
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (an IPv6 host in brackets) -> (host, port 1-65535)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or len(port) > 5 \
+            or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
+        raise ValueError("expected 'host:port' with a port from 1 to 65535")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _address(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"XavierConnector: '{key}' must be a 'host:port' string, "
+                                  f"got {value!r}")
+    try:
+        host, port = split_address(value)
+    except ValueError as exc:
+        raise InvalidRequestError(f"XavierConnector: '{key}' must be 'host:port', got {value!r} "
+                                  f"({exc})") from None
+    return _join(host, port)
+
+
+def _shift(address: str, by: int) -> str:
+    host, port = split_address(address)
+    if port + by > 65535:
+        raise InvalidRequestError(f"XavierConnector: {address} + TP rank {by} is not a port")
+    return _join(host, port + by)
+
+
+def _path(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidRequestError(f"XavierConnector: 'stats_file' must be a path, got {value!r}")
+    return value
+
+
+def _seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or value != value or value == float("inf"):
+        raise InvalidRequestError(f"XavierConnector: '{key}' must be a number of seconds > 0, "
+                                  f"got {value!r}")
+    return float(value)
+
+
+__all__ = ["ConnectorSettings", "LOAD_MODES"]
