@@ -27,6 +27,11 @@ seed and the step):
   wrong byte; and the blocks stay so until the step ends;
 * ``typed``: every failure is an :class:`~xavier_async.XavierError`, never a bare
   builtin or an ``ExceptionGroup``; nothing escapes ``async with Endpoint``;
+* ``internal``: no library bug, however well contained: no load or connect fails with
+  :class:`~xavier_async.InternalError` (the library's own broken invariant, which
+  the engine makes of any unexpected exception in a round trip), and no background task
+  of the loader or of a source crashes
+  (:func:`~xavier_async.testing.invariants.task_crashes` stays 0);
 * ``bounded``: every call returns within its bound (:meth:`ChaosConfig.load_bound`,
   enforced by a hang guard that reports the call);
 * ``slabs``: no receive slab leaked or owned twice, registrations equal the pool
@@ -63,10 +68,10 @@ import anyio
 import torch
 
 from ..endpoint import Endpoint, EndpointConfig
-from ..errors import EndpointClosedError, XavierError
+from ..errors import EndpointClosedError, InternalError, XavierError
 from ..layout import CacheLayout
 from ..planning import Planner
-from .invariants import check_slab_invariants, wait_settled
+from .invariants import check_slab_invariants, task_crashes, wait_settled
 from .peer_process import DTYPES, LayoutSpec, PeerProcess, PeerSpec, pattern_caches
 
 __all__ = ["ChaosConfig", "ChaosReport", "ChaosSchedule", "Fault", "LoadPlan", "SourcePool", "Step",
@@ -319,6 +324,8 @@ class SourcePool:
         self._generation: dict[int, int] = {}
         self._stopped: set[int] = set()
         self._lock = threading.Lock()
+        #: each process's task crashes as last read (by pid: a restart starts at 0)
+        self._crashes_seen: dict[int, int] = {}
         #: processes started so far (restarts included)
         self.started = 0
 
@@ -398,6 +405,21 @@ class SourcePool:
         self._stopped.discard(rank)
         return True
 
+    def new_task_crashes(self, rank: int, timeout: float = 10.0) -> int | None:
+        """How many background tasks of ``rank``'s process crashed since the last call for
+        that process (0 unless it is up); ``None`` if it did not answer within
+        ``timeout``."""
+        p = self._procs.get(rank)
+        if p is None or self.state(rank) != "up":
+            return 0
+        try:
+            total = p.task_crashes(timeout)
+        except Exception:
+            return None
+        seen = self._crashes_seen.get(p.proc.pid, 0)
+        self._crashes_seen[p.proc.pid] = total
+        return total - seen
+
     def resume_all(self) -> None:
         for r in list(self._stopped):
             self.cont(r)
@@ -443,7 +465,8 @@ def _reap(p: PeerProcess) -> None:
 @dataclass(frozen=True)
 class Violation:
     """A broken invariant: which ``seed`` and ``step`` (its ``kind``), which ``invariant``
-    (``bytes``, ``typed``, ``bounded``, ``slabs``, ``close``), and what happened."""
+    (``bytes``, ``typed``, ``internal``, ``bounded``, ``slabs``, ``close``), and what
+    happened."""
 
     seed: int
     step: int
@@ -462,7 +485,8 @@ class ChaosReport:
     ``failed`` / ``cancelled`` (``errors``: failures by type), ``faults`` injected by kind,
     ``violations`` and the wall time; ``spins``: round trips that polled for their reply
     themselves (``EndpointConfig.reply_spin``: that path, under the same faults), ``polled``
-    those whose reply came within the spin."""
+    those whose reply came within the spin; ``crashes``: background tasks of the loader
+    and the sources that crashed (each one also an ``internal`` violation)."""
 
     schedules: int = 0
     steps: int = 0
@@ -471,6 +495,7 @@ class ChaosReport:
     cancelled: int = 0
     spins: int = 0
     polled: int = 0
+    crashes: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     faults: dict[str, int] = field(default_factory=dict)
     violations: list[Violation] = field(default_factory=list)
@@ -489,6 +514,7 @@ class ChaosReport:
         self.cancelled += other.cancelled
         self.spins += other.spins
         self.polled += other.polled
+        self.crashes += other.crashes
         for k, v in other.errors.items():
             self.count(self.errors, k, v)
         for k, v in other.faults.items():
@@ -503,6 +529,7 @@ class ChaosReport:
                 f"{self.ok} ok, {self.failed} failed {dict(sorted(self.errors.items()))}, "
                 f"{self.cancelled} cancelled; {self.spins} reply spins, {self.polled} "
                 f"replies polled; faults {dict(sorted(self.faults.items()))}; "
+                f"{self.crashes} task crashes; "
                 f"{len(self.violations)} violations" + (f" (seeds {bad})" if bad else ""))
 
 
@@ -526,6 +553,7 @@ class _Run:
         self.closed = False
         self.in_flight_batches = 1
         self.slab_problems: set[str] = set()
+        self.loader_crashes = 0   # the loader's task crashes already reported
 
     def violation(self, invariant: str, detail: str) -> None:
         self.report.violations.append(
@@ -616,6 +644,7 @@ class _Run:
                         for r in step.ranks:
                             if r not in ep.peers and self.pool.state(r) == "up":
                                 await self.connect(r, must=False)
+                    self.check_loader_crashes()
                     if self.closed:
                         break
                     await self.check_slabs()
@@ -629,7 +658,31 @@ class _Run:
         finally:
             self.report.spins += ep.metrics.reply_spins
             self.report.polled += ep.metrics.replies_polled
+            self.check_loader_crashes()   # (the close's too)
             await anyio.to_thread.run_sync(self.pool.resume_all)
+            await self.check_source_crashes()
+
+    def check_loader_crashes(self) -> None:
+        """The loader's background tasks that crashed since the last check: a violation."""
+        n = task_crashes(self.ep)
+        if n > self.loader_crashes:
+            self.report.crashes += n - self.loader_crashes
+            self.violation("internal", f"{n - self.loader_crashes} background task(s) of the "
+                                       "loader crashed (logged: 'background task ... failed')")
+            self.loader_crashes = n
+
+    async def check_source_crashes(self) -> None:
+        """The sources' background tasks that crashed since the last check (of each
+        process; a crash while an earlier schedule's loader closed shows here)."""
+        for r in self.schedule.ranks:
+            n = await anyio.to_thread.run_sync(self.pool.new_task_crashes, r)
+            if n is None:
+                self.violation("bounded", f"rank {r} ({self.pool.state(r)}) did not say within "
+                                          "10 s how many of its tasks crashed")
+            elif n:
+                self.report.crashes += n
+                self.violation("internal", f"{n} background task(s) of rank {r} crashed "
+                                           "(logged in its process: 'background task ... failed')")
 
     async def connect(self, rank: int, must: bool) -> None:
         assert self.ep is not None
@@ -643,6 +696,9 @@ class _Run:
                 return
             except XavierError as exc:
                 self.report.count(self.report.errors, f"connect:{type(exc).__name__}")
+                if isinstance(exc, InternalError):
+                    self.violation("internal", f"connect to rank {rank} ({state}) failed with a "
+                                               f"library bug: {_describe(exc)}")
             except Exception as exc:
                 self.violation("typed", f"connect to rank {rank} ({state}) raised a non-library "
                                         f"error: {_describe(exc)}")
@@ -695,6 +751,9 @@ class _Run:
                 except XavierError as exc:
                     outcome = "failed"
                     self.report.count(self.report.errors, type(exc).__name__)
+                    if isinstance(exc, InternalError):
+                        self.violation("internal", f"load {i} failed with a library bug: "
+                                                   f"{_describe(exc)}")
                 except Exception as exc:
                     outcome = "failed"
                     self.report.count(self.report.errors, type(exc).__name__)

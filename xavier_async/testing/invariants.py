@@ -15,6 +15,11 @@ Checked, once every load has settled:
   slab and per registered receive slab, no more (a registration whose slab never joined
   the pool is a slab a peer may be told about while the loader unpacks another);
 * the unpack table and the transport name the same slab as the pool, index by index.
+
+:func:`task_crashes` reads the other private count a fault test must see: how many of an
+endpoint's background tasks crashed (a broken invariant in the library, logged and
+turned into :class:`~xavier_async.InternalError` on the loads concerned, which
+the endpoint survives). A healthy endpoint has none, under any fault.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["check_slab_invariants", "wait_settled"]
+__all__ = ["check_slab_invariants", "task_crashes", "wait_settled"]
 
 
 def check_slab_invariants(ep: Any, *, idle: bool = True) -> list[str]:
@@ -85,6 +90,18 @@ def check_slab_invariants(ep: Any, *, idle: bool = True) -> list[str]:
                 problems.append(f"receive slab {index}: the transport registered (and tells peers "
                                 "about) another buffer than the slab in the pool")
     return problems
+
+
+def task_crashes(ep: Any) -> int:
+    """How many of ``ep``'s background tasks crashed so far (``Tasks.crashes``: each one a
+    bug, logged as "background task ... failed"); 0 for an endpoint that never started.
+    The count outlives ``aclose()``, so a crash during close is counted too. Reads the
+    engine's private state."""
+    rt = getattr(ep, "_rt", None)
+    if rt is None or not hasattr(rt, "tasks"):
+        raise AttributeError("task_crashes cannot read the endpoint's task guard "
+                             "(Endpoint._rt.tasks.crashes): re-point it at the new internals")
+    return 0 if rt.tasks is None else int(rt.tasks.crashes)
 
 
 async def wait_settled(ep: Any, timeout: float = 2.0, interval: float = 0.02) -> bool:

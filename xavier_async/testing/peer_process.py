@@ -228,6 +228,7 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
 
     from .. import Endpoint, EndpointConfig, _internal
     from ..transports.nixl import NixlTransport
+    from .invariants import task_crashes
 
     if os.environ.get("XAVIER_ASYNC_CHILD_LOG"):  # e.g. "DEBUG": the child's log on stderr
         import logging
@@ -293,6 +294,10 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
             async def metrics(_: Any) -> dict[str, Any]:
                 return ep.snapshot_metrics()
 
+            async def crashes(_: Any) -> int:
+                """How many of this endpoint's background tasks crashed (a bug each)."""
+                return task_crashes(ep)
+
             # the requests of the last replay, checked (then their slots zeroed) by check_replay
             replayed: list[Any] = []
             expected: dict[int, dict[int, torch.Tensor]] = {}
@@ -344,7 +349,8 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                                         "timeline": marks,
                                         "publish_blocks": publish_blocks,
                                         "recv_digest": recv_digest, "peers": peers,
-                                        "metrics": metrics, "replay": replay,
+                                        "metrics": metrics, "task_crashes": crashes,
+                                        "replay": replay,
                                         "check_replay": check_replay})
 
     try:
@@ -373,6 +379,11 @@ class PeerProcess:
 
     def call(self, cmd: str, arg: Any = None, timeout: float = 60.0) -> Any:
         return self._child.call(cmd, arg, timeout)
+
+    def task_crashes(self, timeout: float = 10.0) -> int:
+        """How many of the child endpoint's background tasks crashed so far (each one a
+        bug: :func:`~xavier_async.testing.invariants.task_crashes`)."""
+        return int(self.call("task_crashes", None, timeout))
 
     def kill(self) -> None:
         """SIGKILL: the peer dies without closing anything."""
