@@ -15,7 +15,11 @@ fence empties the pool leaves the loads waiting for a slab with none coming (no
 replacement is registered once closing, and nothing fails them), so close waits forever.
 
 Every successful load's bytes are checked, block by block; every call runs under a hang
-guard (``anyio.fail_after``), so a hang is a failure with a message, not a stuck run.
+guard (``anyio.fail_after``), so a hang is a failure with a message, not a stuck run. A
+library bug fails every test however well the engine contains it: no load may fail with
+``InternalError`` (which the engine makes of any unexpected exception in a round trip,
+such as finding 2's ``AssertionError``), and no background task of the loader or of a
+running source may crash (``task_crashes``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from xavier_async import Endpoint, EndpointConfig, PeerLostError, XavierError  # noqa: E402
+from xavier_async import (Endpoint, EndpointConfig, InternalError, PeerLostError,  # noqa: E402
+                          XavierError)
+from xavier_async.testing.invariants import task_crashes  # noqa: E402
 from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec,  # noqa: E402
                                                check_loaded, pattern_caches, zero_caches,
                                                zero_slots)
@@ -90,9 +96,11 @@ def _request(rng: random.Random, src: int, base: int, large: bool) -> dict[int, 
 @dataclass
 class Outcome:
     ok: int = 0
+    ok_by_rank: dict[int, int] = field(default_factory=dict)   # successes per source
     wrong: int = 0           # returned success with wrong bytes: the worst outcome
     failed: dict[str, int] = field(default_factory=dict)
     untyped: list[str] = field(default_factory=list)
+    internal: list[str] = field(default_factory=list)         # InternalError: a library bug
     hung: int = 0            # took longer than the hang guard
     first_wrong: str = ""
 
@@ -101,6 +109,13 @@ class Outcome:
         self.failed[name] = self.failed.get(name, 0) + 1
         if not isinstance(exc, XavierError):
             self.untyped.append(repr(exc))
+        elif isinstance(exc, InternalError):
+            self.internal.append(repr(exc))
+
+    @property
+    def bugs(self) -> list[str]:
+        """Failures that are library bugs: untyped, or typed ``InternalError``."""
+        return self.untyped + self.internal
 
 
 async def _checked_load(ep: Endpoint, request: dict[int, Any], expected: dict[int, Any],
@@ -123,6 +138,8 @@ async def _checked_load(ep: Endpoint, request: dict[int, Any], expected: dict[in
         out.first_wrong = out.first_wrong or str(exc)
         return
     out.ok += 1
+    for src in request:
+        out.ok_by_rank[src] = out.ok_by_rank.get(src, 0) + 1
 
 
 @dataclass
@@ -134,15 +151,21 @@ class Report:
     close_hung: bool = False
     stats: dict[str, int] = field(default_factory=dict)
     registrations: int = 0
+    crashes: dict[int, int] = field(default_factory=dict)  # task crashes by rank (0: loader)
     seconds: float = 0.0
 
-    @property
-    def healthy_wrong(self) -> int:
-        return self.sequential.wrong + self.after.wrong
 
-    @property
-    def healthy_ok(self) -> int:
-        return self.sequential.ok + self.after.ok
+async def _crashes(ep: Endpoint, up: list[PeerProcess]) -> dict[int, int]:
+    """Task crashes of the loader (rank 0) and of the sources ``up`` (running, not frozen):
+    each one a bug, whatever the loads' outcomes show."""
+    out = {0: task_crashes(ep)}
+    for p in up:
+        out[p.spec.rank] = await anyio.to_thread.run_sync(p.task_crashes)
+    return out
+
+
+def _no_crashes(crashes: dict[int, int], summary: str) -> None:
+    assert crashes and not any(crashes.values()), f"background tasks crashed: {crashes}; {summary}"
 
 
 async def _reconnect(ep: Endpoint, p: PeerProcess) -> None:
@@ -175,7 +198,7 @@ async def _kill_and_freeze(resume: bool, seed: int = 0) -> Report:
     expected = {r: pattern_caches(SPEC, r, SEED) for r in (1, 2, 3)}
     report = Report()
     procs = _start(specs)
-    p1, p2, _ = procs
+    p1, p2, p3 = procs
     cfg = EndpointConfig(**NCFG, request_timeout=TIMEOUT)
     ep = Endpoint(0, zero_caches(LOADER), NixlTransport(), cfg)
 
@@ -217,6 +240,7 @@ async def _kill_and_freeze(resume: bool, seed: int = 0) -> Report:
                     await healthy(report.after, 200, 8, srcs)
                     report.stats = dict(ep.recv_slab_stats)
                     report.registrations = ep.transport.memory_registrations
+                report.crashes = await _crashes(ep, [p2, p3] if resume else [p3])
         except TimeoutError:
             report.close_hung = True
         except BaseException as exc:  # an ExceptionGroup out of `async with Endpoint`
@@ -231,7 +255,7 @@ def _summary(r: Report) -> str:
     return (f"faulted loads {r.faulted}; rank 3 afterwards, "
             f"one at a time {r.sequential}; after, concurrent {r.after}; escaped {r.escaped!r}; "
             f"hung {r.close_hung}; slabs {r.stats}; registrations {r.registrations}; "
-            f"{r.seconds:.1f} s")
+            f"task crashes {r.crashes}; {r.seconds:.1f} s")
 
 
 def _escaped(r: Report) -> str:
@@ -241,21 +265,27 @@ def _escaped(r: Report) -> str:
     return "".join(traceback.format_exception(r.escaped))[-3000:]
 
 
-def _assert_trusted(r, healthy: str) -> None:
+def _assert_trusted(r, healthy: tuple[int, ...]) -> None:
     """What both kill-and-freeze runs must show: no load from any source returned success
     with wrong bytes, nothing escaped ``async with`` or hung (close included), every
-    failure typed, the healthy source(s) ``healthy`` really loaded from, and registrations
-    equal to the pools."""
+    failure typed and none a library bug (no ``InternalError``, no task crash), each
+    healthy rank of ``healthy`` really loaded from, and registrations equal to the pools."""
     print(_summary(r))
+    names = " and ".join(f"rank {h}" for h in healthy)
     for name, out in (("the faulted sources", r.faulted), ("rank 3, one at a time", r.sequential),
-                      (f"{healthy}, concurrent", r.after)):
+                      (f"{names}, concurrent", r.after)):
         assert out.wrong == 0, (f"{out.wrong} loads from {name} returned success with wrong bytes "
                                 f"({out.first_wrong}); {_summary(r)}")
     assert r.escaped is None, f"the endpoint raised out of `async with`:\n{_escaped(r)}"
     assert not r.close_hung, _summary(r)
-    for name, out in (("the faulted sources", r.faulted), (healthy, r.sequential), (healthy, r.after)):
-        assert not out.untyped and not out.hung, f"{name}: {out}"
-    assert r.healthy_ok >= 100, _summary(r)    # the healthy source really was loaded from
+    for name, out in (("the faulted sources", r.faulted), ("rank 3", r.sequential), (names, r.after)):
+        assert not out.bugs and not out.hung, f"{name}: {out}"
+    _no_crashes(r.crashes, _summary(r))
+    # each healthy rank served every one of its share of the 200 loads (rank 2 after
+    # its resume and reconnect too): counted per rank, so one cannot stand in for another
+    for h in healthy:
+        assert r.after.ok_by_rank.get(h, 0) == 200 // len(healthy), (
+            f"rank {h} did not serve all its loads: {_summary(r)}")
     assert r.registrations == (r.stats["send_slabs"] + r.stats["registered"]
                                + r.stats["snapshot_tiers"]), _summary(r)
 
@@ -265,7 +295,7 @@ async def test_finding1_a_healthy_source_never_returns_wrong_bytes_after_kill_an
     concurrently, every load from the healthy rank 3 returns its exact bytes (or a typed
     error); registrations equal the pool."""
     r = await _kill_and_freeze(resume=False)
-    _assert_trusted(r, "rank 3")
+    _assert_trusted(r, (3,))
     assert r.faulted.failed, f"the faults hit no load: {_summary(r)}"   # the faults were real
 
 
@@ -274,7 +304,7 @@ async def test_finding1_the_frozen_source_resumes_and_serves_its_stale_requests(
     up on it, serves its stale requests (no stall check), is reconnected and loaded from
     alongside rank 3: no load from either returns wrong bytes."""
     r = await _kill_and_freeze(resume=True, seed=1)
-    _assert_trusted(r, "ranks 2 and 3")
+    _assert_trusted(r, (3, 2))
 
 
 async def _wait_for(ep: Endpoint, stat: str, value: int, what: str) -> None:
@@ -301,8 +331,9 @@ async def test_finding2_the_endpoint_never_raises_out_of_async_with():
     rng = random.Random(2)
     held, healthy = Outcome(), Outcome()
     escaped: BaseException | None = None
+    crashes: dict[int, int] = {}
     procs = _start(specs)
-    p1, p2, _ = procs
+    p1, p2, p3 = procs
     try:
         try:
             with anyio.fail_after(60):
@@ -324,17 +355,19 @@ async def test_finding2_the_endpoint_never_raises_out_of_async_with():
                             tg.start_soon(_checked_load, ep,
                                           _request(rng, 3, 1024 + 16 * i, large=i % 2 == 1),
                                           expected, healthy)
+                crashes = await _crashes(ep, [p3])
         except BaseException as exc:
             escaped = exc
     finally:
         _stop(procs)
-    summary = f"loads from ranks 1 and 2 {held}; from rank 3 {healthy}"
+    summary = f"loads from ranks 1 and 2 {held}; from rank 3 {healthy}; task crashes {crashes}"
     if escaped is not None:
         import traceback
         raise AssertionError(f"the endpoint raised out of `async with` ({summary}):\n"
                              + "".join(traceback.format_exception(escaped))[-3000:])
     assert held.failed and healthy.ok == 8, summary
-    assert held.wrong == healthy.wrong == 0 and not held.untyped + healthy.untyped, summary
+    assert held.wrong == healthy.wrong == 0 and not held.bugs + healthy.bugs, summary
+    _no_crashes(crashes, summary)
 
 
 async def test_finding3_a_large_load_waiting_behind_fenced_slabs_fails_and_close_returns():
@@ -352,8 +385,9 @@ async def test_finding3_a_large_load_waiting_behind_fenced_slabs_fails_and_close
     fourth: dict[str, Any] = {}
     closed: dict[str, float] = {}
     problems: list[str] = []
+    crashes: dict[int, int] = {}
     procs = _start(specs)
-    p1, _ = procs
+    p1, p2 = procs
     try:
         ep = Endpoint(0, zero_caches(LOADER), NixlTransport(), EndpointConfig(**NCFG, request_timeout=TIMEOUT))
         async with ep:
@@ -415,13 +449,17 @@ async def test_finding3_a_large_load_waiting_behind_fenced_slabs_fails_and_close
                     scope.cancel()   # unblock it: the hung load is cancelled
                     with anyio.fail_after(GUARD):
                         await done.wait()
+        crashes = await _crashes(ep, [p2])
     finally:
         _stop(procs)
-    summary = f"fourth load {fourth}; first three {held}; rank 2 afterwards {after}; close {closed}"
+    summary = (f"fourth load {fourth}; first three {held}; rank 2 afterwards {after}; close "
+               f"{closed}; task crashes {crashes}")
     assert not problems, "; ".join(problems) + f" ({summary})"
     assert isinstance(fourth["result"], PeerLostError), summary
     assert held.failed == {"PeerLostError": 3}, summary
     assert after.ok == 4 and after.wrong == 0, summary
+    assert not warm.bugs + held.bugs + after.bugs, summary
+    _no_crashes(crashes, summary)
 
 
 async def test_close_while_a_fence_empties_the_pool_fails_or_serves_the_waiting_loads():
@@ -438,8 +476,9 @@ async def test_close_while_a_fence_empties_the_pool_fails_or_serves_the_waiting_
     held, waiting = Outcome(), Outcome()
     closed: dict[str, float] = {}
     problems: list[str] = []
+    crashes: dict[int, int] = {}
     procs = _start(specs)
-    p1, _ = procs
+    p1, p2 = procs
     try:
         ep = Endpoint(0, zero_caches(LOADER), NixlTransport(),
                       EndpointConfig(**NCFG, request_timeout=TIMEOUT, receive_slabs=1))
@@ -478,10 +517,13 @@ async def test_close_while_a_fence_empties_the_pool_fails_or_serves_the_waiting_
                                     f"(request_timeout {TIMEOUT} s); slabs {ep.recv_slab_stats}")
                     for scope in scopes:      # unblock it: the waiting loads are cancelled
                         scope.cancel()
+        crashes = await _crashes(ep, [p2])
     finally:
         _stop(procs)
-    summary = f"rank 1's load {held}; rank 2's waiting loads {waiting}; close {closed}"
+    summary = (f"rank 1's load {held}; rank 2's waiting loads {waiting}; close {closed}; "
+               f"task crashes {crashes}")
     assert not problems, "; ".join(problems) + f" ({summary})"
     assert held.ok + sum(held.failed.values()) == 1 and not held.wrong, summary
     assert waiting.ok + sum(waiting.failed.values()) == 3, summary   # every one ended
-    assert not waiting.wrong and not waiting.untyped + held.untyped, summary
+    assert not waiting.wrong and not waiting.bugs + held.bugs, summary
+    _no_crashes(crashes, summary)
