@@ -8,14 +8,22 @@ stalled write still lands after its receiver gave up, into the slab that was fen
 it, as a one-sided NIXL WRITE does. After every step: the slab invariants that hold
 while loads are in flight (every registered slab in exactly one place, registrations
 equal the pool, the unpack table and the transport name the pooled buffer), and every
-load that has returned: exact bytes, or a typed error and no wrong byte. At the end:
-every load returns within a bound, the pool is idle, close returns.
+load that has returned: exact bytes, or a typed error (never ``InternalError``: a library
+bug) and no wrong byte, and no endpoint's background task crashed. At the end: every
+load, cancelled ones included, returns within a bound; every returned load's slots still
+hold what they held when it returned; the pool is idle, close returns.
+
+A cancelled load is judged once its task has really ended: ``Future.cancel()`` on the
+portal's future marks it done at once, while the load finishes its shielded copy and
+unpack in the event loop (it may still write its slots then).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -26,9 +34,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from xavier_async import Endpoint, EndpointConfig, LocalFabric, XavierError
+from xavier_async import Endpoint, EndpointConfig, InternalError, LocalFabric, XavierError
 from xavier_async.testing import FaultPlan, FaultyTransport
-from xavier_async.testing.invariants import check_slab_invariants, wait_settled
+from xavier_async.testing.invariants import check_slab_invariants, task_crashes, wait_settled
 
 from .conftest import random_cache
 
@@ -41,6 +49,21 @@ CFG = {"full_bytes": 4 * KiB, "small_bytes": 512}   # 16 blocks a slab, 2 in the
 END_BOUND = 10.0                     # every load has returned this long after the last step
 
 
+@dataclass
+class Load:
+    """One load started through the portal. ``ended`` is set by the load's own task when
+    it has really ended (the portal future is done at once on ``cancel()``), with
+    ``outcome`` (``ok``, ``failed``, ``cancelled``) and ``error``; ``seen``: each block's
+    bytes when it was settled (``exact``, ``zero`` or ``wrong``), checked again at the end."""
+
+    request: dict[int, Any]
+    ended: threading.Event = field(default_factory=threading.Event)
+    outcome: str = ""
+    error: BaseException | None = None
+    future: Future[Any] | None = None
+    seen: list[str] = field(default_factory=list)
+
+
 class SlabPoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -51,8 +74,9 @@ class SlabPoolMachine(RuleBasedStateMachine):
         self.sources: dict[int, Endpoint] = {}
         self.faulty: dict[int, FaultyTransport] = {}
         self.expected: dict[int, torch.Tensor] = {}
-        self.pending: list[tuple[Future[Any], dict[int, Any]]] = []
-        self.started: list[Future[Any]] = []
+        self.pending: list[Load] = []     # started, not yet settled
+        self.started: list[Load] = []
+        self.settled: list[Load] = []
         self.next_slot = 0
         self.problems: list[str] = []
         self.log: list[str] = []
@@ -110,9 +134,27 @@ class SlabPoolMachine(RuleBasedStateMachine):
             for key in other:
                 request[second][0][key] = self.next_slot
                 self.next_slot += 1
-        fut = self.portal.start_task_soon(self.ep.load, request)
-        self.pending.append((fut, request))
-        self.started.append(fut)
+        load = Load(request)
+        load.future = self.portal.start_task_soon(self._run, load)
+        self.pending.append(load)
+        self.started.append(load)
+
+    async def _run(self, load: Load) -> None:
+        """The load, recording how its task really ended (in the event loop)."""
+        assert self.ep is not None
+        try:
+            await self.ep.load(load.request)
+            load.outcome = "ok"
+        except anyio.get_cancelled_exc_class():
+            load.outcome = "cancelled"
+            raise
+        except Exception as exc:
+            load.outcome, load.error = "failed", exc
+        except BaseException as exc:
+            load.outcome, load.error = "failed", exc
+            raise
+        finally:
+            load.ended.set()
 
     @rule(src=st.sampled_from(SOURCES), n=st.integers(1, 4), seconds=st.sampled_from([0.02, 0.3]))
     def stall(self, src: int, n: int, seconds: float) -> None:
@@ -148,9 +190,11 @@ class SlabPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.started))   # (not `pending`: that depends on timing)
     @rule(which=st.integers(0, 1000))
     def cancel(self, which: int) -> None:
-        """Cancel a load (a no-op if it has returned)."""
+        """Cancel a load (a no-op if it has returned); its task may run on (shielded)."""
         self.log.append(f"cancel(load {which % len(self.started)})")
-        self.started[which % len(self.started)].cancel()
+        future = self.started[which % len(self.started)].future
+        assert future is not None
+        future.cancel()
 
     @rule(seconds=st.sampled_from([0.0, 0.01, 0.05, 0.15]))
     def advance(self, seconds: float) -> None:
@@ -158,53 +202,70 @@ class SlabPoolMachine(RuleBasedStateMachine):
         self.portal.call(anyio.sleep, seconds)
 
     # -- checks -----------------------------------------------------------------------
-    def _bytes(self, request: dict[int, Any]) -> tuple[int, int, list[str]]:
-        """``(exact, untouched, wrong)`` blocks of a request (read in the event loop)."""
+    def _blocks(self, request: dict[int, Any]) -> list[tuple[str, str]]:
+        """Each block of a request: ``(exact|zero|wrong, which)`` (read in the event loop)."""
         assert self.ep is not None
         cache = self.ep.caches[0]
-        exact = untouched = 0
-        wrong = []
+        out = []
         for src, layers in request.items():
             for key, slot in layers[0].items():
                 got = cache[slot].view(torch.uint8)
-                if torch.equal(got, self.expected[src][key].view(torch.uint8)):
-                    exact += 1
-                elif not got.any():
-                    untouched += 1
-                else:
-                    wrong.append(f"block {key} of rank {src} in slot {slot}")
-        return exact, untouched, wrong
+                state = ("exact" if torch.equal(got, self.expected[src][key].view(torch.uint8))
+                         else "wrong" if got.any() else "zero")
+                out.append((state, f"block {key} of rank {src} in slot {slot}"))
+        return out
 
-    def _settle(self, fut: Future[Any], request: dict[int, Any]) -> None:
-        exact, _, wrong = self.portal.call(self._bytes, request)
-        total = sum(len(layers[0]) for layers in request.values())
-        if fut.cancelled():
-            self.outcomes["cancelled"] += 1
-            outcome = "cancelled"
-        elif fut.exception() is not None:
-            exc = fut.exception()
-            self.outcomes["failed"] += 1
+    def _settle(self, load: Load) -> None:
+        """Judge a load whose task has ended (never before: see the module docstring)."""
+        assert load.ended.is_set()
+        blocks = self.portal.call(self._blocks, load.request)
+        load.seen = [state for state, _ in blocks]
+        self.settled.append(load)
+        wrong = [which for state, which in blocks if state == "wrong"]
+        exact = load.seen.count("exact")
+        outcome = load.outcome
+        self.outcomes[outcome] += 1
+        if outcome == "failed":
+            exc = load.error
             outcome = f"failed ({exc!r})"
             if not isinstance(exc, XavierError):
                 self.problems.append(f"a load raised {exc!r}, not a library error")
-        else:
-            self.outcomes["ok"] += 1
-            outcome = "ok"
-            if exact != total:
-                self.problems.append(f"a load returned success with {total - exact} of {total} "
-                                     f"blocks wrong ({wrong[:3] or 'left zero'}): {request}")
+            elif isinstance(exc, InternalError):
+                self.problems.append(f"a load failed with a library bug: {exc!r}")
+        elif outcome == "ok" and exact != len(blocks):
+            self.problems.append(f"a load returned success with {len(blocks) - exact} of "
+                                 f"{len(blocks)} blocks wrong ({wrong[:3] or 'left zero'}): "
+                                 f"{load.request}")
         if outcome != "ok" and wrong:
             self.problems.append(f"a load that {outcome} wrote wrong bytes: {wrong[:3]}")
+
+    def _crashes(self) -> list[str]:
+        """Every endpoint's crashed background tasks (a library bug each)."""
+        eps = {0: self.ep, **self.sources}
+        return [f"rank {r}: {n} background task(s) crashed" for r, ep in eps.items()
+                if (n := task_crashes(ep))]
+
+    def _unchanged(self) -> list[str]:
+        """Every settled load's slots still hold what they held when it was settled (the
+        engine writes a load's slots only before its task ends)."""
+        problems = []
+        for load in self.settled:
+            now = [state for state, _ in self.portal.call(self._blocks, load.request)]
+            if now != load.seen:
+                changed = sum(a != b for a, b in zip(now, load.seen))
+                problems.append(f"{changed} blocks of a load that {load.outcome} changed after "
+                                f"its task ended ({load.seen} then {now}): {load.request}")
+        return problems
 
     @invariant()
     def slabs_and_returned_loads(self) -> None:
         if self.ep is None:
             return
-        for fut, request in [p for p in self.pending if p[0].done()]:
-            self.pending.remove((fut, request))
-            self._settle(fut, request)
+        for load in [p for p in self.pending if p.ended.is_set()]:
+            self.pending.remove(load)
+            self._settle(load)
         problems = self.portal.call(lambda: check_slab_invariants(self.ep, idle=False))
-        self._check(problems + self.problems)
+        self._check(problems + self.problems + self._crashes())
 
     def _check(self, problems: list[str]) -> None:
         if problems:
@@ -216,35 +277,42 @@ class SlabPoolMachine(RuleBasedStateMachine):
             if self.ep is not None:
                 self._finish()
         finally:
-            for fut, _ in self.pending:
-                fut.cancel()
+            for load in self.pending:
+                assert load.future is not None
+                load.future.cancel()
             for cm in reversed(self.cms):
                 try:
                     cm.__exit__(None, None, None)
                 except BaseException as exc:  # out of `async with Endpoint`
                     self.problems.append(f"an endpoint raised out of `async with`: {exc!r}")
             self._portal_cm.__exit__(None, None, None)
+            if self.ep is not None:   # (the closes' crashes too: the count outlives close)
+                self.problems += self._crashes()
         self._check(self.problems)
 
     def _finish(self) -> None:
-        """Every load returns within END_BOUND; then the pool is idle and sound."""
+        """Every load's task ends within END_BOUND (cancelled ones too); then every settled
+        load's slots are as they were, and the pool is idle and sound."""
         assert self.ep is not None
         waited = 0.0
-        while any(not f.done() for f, _ in self.pending) and waited < END_BOUND:
+        while any(not p.ended.is_set() for p in self.pending) and waited < END_BOUND:
             self.portal.call(anyio.sleep, 0.05)
             waited += 0.05
-        hung = [(f, r) for f, r in self.pending if not f.done()]
-        for fut, request in self.pending:
-            if fut.done():
-                self._settle(fut, request)
+        hung = [p for p in self.pending if not p.ended.is_set()]
+        for load in self.pending:
+            if load.ended.is_set():
+                self._settle(load)
         self.pending = hung
         if hung:
-            self.problems.append(f"{len(hung)} loads had not returned {END_BOUND:.0f} s after the "
-                                 f"last step (slabs {self.ep.recv_slab_stats}); first: {hung[0][1]}")
-            for fut, _ in hung:   # cancel them, so that the pool can be checked and closed
-                fut.cancel()
+            self.problems.append(f"{len(hung)} loads had not ended {END_BOUND:.0f} s after the "
+                                 f"last step (slabs {self.ep.recv_slab_stats}); first: "
+                                 f"{hung[0].request}")
+            for load in hung:   # cancel them, so that the pool can be checked and closed
+                assert load.future is not None
+                load.future.cancel()
             self.portal.call(anyio.sleep, 0.2)
             self.pending = []
+        self.problems += self._unchanged()
         if not self.portal.call(wait_settled, self.ep):
             self.problems.append(f"slab stats still changing: {self.ep.recv_slab_stats}")
         self.problems += self.portal.call(check_slab_invariants, self.ep)
