@@ -1,5 +1,6 @@
 """Many loads in flight over real NIXL: a loader and two source processes (issue 11).
-Every load's bytes are checked."""
+Every load's bytes are checked; no endpoint's background task may crash, and no load may
+fail with ``InternalError`` (a library bug, however well contained)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 pytest.importorskip("nixl")
 
-from xavier_async import Endpoint, EndpointConfig  # noqa: E402
+from xavier_async import Endpoint, EndpointConfig, InternalError, XavierError  # noqa: E402
+from xavier_async.testing.invariants import task_crashes  # noqa: E402
 from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec,  # noqa: E402
                                                check_loaded, pattern_caches, zero_slots)
 from xavier_async.testing.devices import peer_device  # noqa: E402
@@ -92,7 +94,9 @@ async def test_nixl_many_loads_in_flight_from_two_processes(capped):
                 assert m["total"]["batches_sent"] == mine.batches_received
                 assert mine.batches_received + mine.batches_merged == 32
                 merged += mine.batches_merged
+                assert await anyio.to_thread.run_sync(p.task_crashes) == 0
             assert merged > 0                       # batches that waited went out together
+        assert task_crashes(ep) == 0
     finally:
         for p in procs:
             p.close()
@@ -140,8 +144,8 @@ async def test_nixl_concurrent_loads_under_injected_faults_never_write_a_wrong_b
                     else:
                         await ep.load(request)
                 except Exception as exc:  # an injected failure: nothing written
-                    from xavier_async import XavierError
                     assert isinstance(exc, XavierError), exc
+                    assert not isinstance(exc, InternalError), f"a library bug: {exc!r}"
                     outcomes["failed"] += 1
                     assert _untouched(ep.caches, request), f"a failed load wrote its slots: {exc!r}"
                     return
@@ -169,6 +173,9 @@ async def test_nixl_concurrent_loads_under_injected_faults_never_write_a_wrong_b
             assert bool(ep._receiver.scheduler.lanes) is capped
             stats = ep.recv_slab_stats                       # over every source's lanes
             assert stats["lanes_held"] == stats["lanes_waiting"] == 0
+            for p in procs.values():   # the injected faults crashed no task of the sources
+                assert await anyio.to_thread.run_sync(p.task_crashes) == 0, p.spec.rank
+        assert task_crashes(ep) == 0   # nor of the loader (its close included)
         assert outcomes["ok"] > 0 and outcomes["failed"] > 0, outcomes   # faults really hit
         assert merged > 0, "no batch was merged: the faults met no group"
     finally:
