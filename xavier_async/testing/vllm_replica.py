@@ -116,20 +116,30 @@ class Generation:
 class Replica:
     """A ``vllm.LLM`` in a child process group (started on construction, ~25 s)."""
 
-    def __init__(self, spec: ReplicaSpec, *, start_timeout: float = 240.0) -> None:
+    def __init__(self, spec: ReplicaSpec, *, wait: bool = True, start_timeout: float = 300.0) -> None:
         ctx = mp.get_context("spawn")
         self._conn, there = ctx.Pipe()
         self.spec = spec
         self.proc = ctx.Process(target=_child, args=(spec, there), daemon=False)
         self.proc.start()
         there.close()
-        if not self._conn.poll(start_timeout):
+        self._ready = False
+        if wait:
+            self.wait_ready(start_timeout)
+
+    def wait_ready(self, timeout: float = 300.0) -> Replica:
+        """Wait until the ``LLM`` has started (start several replicas, then wait for each)."""
+        if self._ready:
+            return self
+        if not self._conn.poll(timeout):
             self.kill()
-            raise TimeoutError(f"vLLM replica did not start in {start_timeout} s")
+            raise TimeoutError(f"vLLM replica did not start in {timeout} s")
         kind, detail = self._conn.recv()
         if kind != "ready":
             self.kill()
             raise RuntimeError(f"vLLM replica failed to start: {detail}")
+        self._ready = True
+        return self
 
     @property
     def stats_file(self) -> str | None:

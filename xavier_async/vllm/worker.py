@@ -12,6 +12,7 @@ directory here, relayed to the scheduler process by :mod:`~xavier_async.vllm.fee
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -323,10 +324,19 @@ class WorkerSide:
         if not self.stats_file:
             return
         tmp = f"{self.stats_file}.{os.getpid()}.tmp"
+        with self._mirror_lock:
+            held = {str(p): _digest(self.mirror.keys_of(p)) for p in self.mirror.peers}
+            keys = len(self.mirror)
         with open(tmp, "w") as f:
             json.dump(dict(self.stats, peers=list(self._ep.peers) if self._ep else [],
-                           directory_keys=len(self.mirror)), f)
+                           directory_keys=keys, directory_digests=held,
+                           published_digest=_digest(self._published)), f)
         os.replace(tmp, self.stats_file)
+
+
+def _digest(keys: Any) -> str:
+    """A short digest of a set of block keys (for comparing two replicas' views)."""
+    return hashlib.sha256(",".join(map(str, sorted(keys))).encode()).hexdigest()[:16]
 
 
 __all__ = ["WorkerSide"]
