@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from xavier_async import (EndpointConfig, InvalidRequestError, LocalFabric, LocalTransport,
-                          PublishResult, RemoteError)
+                          PeerLostError, PublishResult, RemoteError)
 from xavier_async.testing import FaultyTransport
 
 from .conftest import assert_same_bytes, cluster, random_cache, zero_cache
@@ -87,9 +87,12 @@ async def test_without_a_store_blocks_are_served_from_the_live_slots():
 async def test_small_budgets_demote_evict_and_skip_and_say_so():
     """Two device slots and two host slots: a third block demotes the least recently used;
     a fifth drops one (evicted, reported); loads of demoted blocks come from the host tier;
-    an evicted key is refused, nothing written; with every slot leased a block is skipped."""
+    an evicted key is refused, nothing written; with every slot leased (a copy reads all
+    four blocks) a new block finds no room: skipped and said so, by ``publish_blocks`` and
+    ``publish`` alike, counted, not loadable, and nothing stored moved."""
     src = _caches(3)
-    async with cluster([_zeros(), src], _cfg(2, 2)) as (a, b):
+    wrap = {1: lambda f: FaultyTransport(LocalTransport(f))}
+    async with cluster([_zeros(), src], _cfg(2, 2), wrap=wrap) as (a, b):
         snap = {k: {layer: src[layer][k].clone() for layer in range(LAYERS)} for k in range(6)}
         r1 = await b.publish_blocks([0, 1], [0, 1])
         await a.load({1: _all_layers(0, 20)})              # 0 used: 1 is the LRU now
@@ -109,6 +112,35 @@ async def test_small_budgets_demote_evict_and_skip_and_say_so():
             _expect(snap, k, 23, a.caches)
         stats = b.snapshot_metrics()["snapshot"]
         assert stats["device_used"] == 2 and stats["host_used"] == 2 and stats["evicted"] == 1
+        assert stats["skipped"] == 0 and all(r.skipped == () for r in (r1, r2, r3))
+        # every slot leased: one copy reads all four stored blocks and is held in flight
+        stored = [k for k in range(5) if k != gone]
+        index = b._source.store.index
+        held = b.transport
+        held.hold_next_writes(1)
+        all_four = {1: {layer: {k: 24 + i for i, k in enumerate(stored)} for layer in range(LAYERS)}}
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a.load, all_four)
+                try:
+                    await held.wait_stalled(1)
+                    assert index.leased == index.device_slots + index.host_slots == 4
+                    where = {k: index.slot(k) for k in stored}
+                    r5 = await b.publish_blocks([5], [5])
+                    assert r5.skipped == (5,) and r5.available == r5.evicted == r5.demoted == ()
+                    r6 = b.publish(6, 5)
+                    assert r6.skipped == (6,) and r6.available == r6.evicted == r6.demoted == ()
+                    assert {k: index.slot(k) for k in stored} == where  # nothing stored moved
+                finally:
+                    held.release_held()                     # a failed check must not hang
+        for i, k in enumerate(stored):                              # the held copy landed
+            _expect(snap, k, 24 + i, a.caches)
+        for skipped in (5, 6):
+            with pytest.raises(RemoteError, match="not published"):
+                await a.load({1: _all_layers(skipped, 28)})
+            assert not a.caches[0][28].any()
+        stats = b.snapshot_metrics()["snapshot"]
+        assert stats["skipped"] == 2 and stats["evicted"] == 1, stats
         await _idle(b)
 
 
@@ -274,7 +306,7 @@ async def test_a_peer_lost_mid_serve_releases_its_leases():
         held.hold_next_writes(1)
         async with anyio.create_task_group() as tg:
             async def load() -> None:
-                with pytest.raises(Exception):
+                with pytest.raises(PeerLostError):
                     await a.load({1: _all_layers(0, 1)})
             tg.start_soon(load)
             await held.wait_stalled(1)
