@@ -14,8 +14,8 @@ import anyio
 import pytest
 import torch
 
-from xavier_async import (EndpointClosedError, EndpointConfig, IntegrityError, PeerLostError,
-                          RemoteError, XavierError)
+from xavier_async import (EndpointClosedError, EndpointConfig, IntegrityError, InvalidRequestError,
+                          PeerLostError, RemoteError, XavierError)
 
 from .conftest import (KiB, assert_same_bytes, cancel_and_wait, cancellable, cluster, faulty,
                        fenced_slabs, forming_groups, queued_at_source, random_cache, recv_pool,
@@ -90,9 +90,9 @@ async def served(cfg=CFG, n: int = 2, wrap=None):
 def test_config_validates_the_pool_sizes():
     assert (CFG.receive_slabs, CFG.send_slabs) == (K, S)
     for bad in (0, -1, 1.5, True, "4"):
-        with pytest.raises(Exception, match="receive_slabs"):
+        with pytest.raises(InvalidRequestError, match="receive_slabs"):
             EndpointConfig(receive_slabs=bad)
-        with pytest.raises(Exception, match="send_slabs"):
+        with pytest.raises(InvalidRequestError, match="send_slabs"):
             EndpointConfig(send_slabs=bad)
 
 
@@ -592,7 +592,7 @@ def test_merge_small_bytes_is_validated_against_the_views():
     assert EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB,
                           merge_small_bytes=16 * KiB).merge_small_bytes == 16 * KiB
     for bad in (2 * KiB, 17 * KiB, 4.5 * KiB, True, "8KiB"):
-        with pytest.raises(Exception, match="merge_small_bytes"):
+        with pytest.raises(InvalidRequestError, match="merge_small_bytes"):
             EndpointConfig(full_bytes=16 * KiB, small_bytes=4 * KiB, merge_small_bytes=bad)
 
 
@@ -660,9 +660,9 @@ def test_small_round_trips_is_validated():
     assert EndpointConfig().small_round_trips is None
     assert EndpointConfig(small_round_trips=2).small_round_trips == 2
     for bad in (0, 1025, 1.5, True, "1"):
-        with pytest.raises(Exception, match="small_round_trips"):
+        with pytest.raises(InvalidRequestError, match="small_round_trips"):
             EndpointConfig(small_round_trips=bad)
-    with pytest.raises(Exception, match="merge_loads"):
+    with pytest.raises(InvalidRequestError, match="merge_loads"):
         EndpointConfig(small_round_trips=1, merge_loads=False)
 
 

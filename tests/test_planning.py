@@ -294,7 +294,7 @@ def test_codec_round_trip_and_rejects_garbage():
     assert out == protocol.Load(7, body[1])
     assert protocol.decode(protocol.Landed(1, 2).to_wire()) == protocol.Landed(1, 2)
     for garbage in (b"", b"X", b"XY{}", b"ZZL[]"):
-        with pytest.raises(ValueError):
+        with pytest.raises(protocol.ProtocolError):
             protocol.decode(garbage)
 
 

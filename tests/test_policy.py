@@ -154,7 +154,7 @@ def test_reset_returns_to_full():
 def test_select_rejects_out_of_range_sizes(nbytes):
     p = ChannelPolicy(16, 4)
     p.select(4)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequestError):
         p.select(nbytes)
     assert p.state == "streak_1"  # a rejected batch does not move the machine
 
@@ -162,7 +162,7 @@ def test_select_rejects_out_of_range_sizes(nbytes):
 @pytest.mark.parametrize("nbytes", [4.0, 2.5, "4", None, True, False, b"4"])
 def test_select_rejects_non_integers(nbytes):
     p = ChannelPolicy(16, 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequestError):
         p.select(nbytes)
     assert p.state == "full"
 
@@ -179,7 +179,7 @@ def test_errors_are_value_errors_and_library_errors():
     (16, 4, 0), (16, 4, -1), (16, 4, 1.5), (16, 4, True), (16, 4, "2"), (16, 4, None),
 ])
 def test_constructor_rejects_bad_arguments(args):
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequestError):
         ChannelPolicy(*args)
 
 
