@@ -123,6 +123,9 @@ async def test_a_key_unpublished_between_batches_is_reported_with_what_was_writt
         assert any("already written" in n for n in info.value.__notes__)
         for k in range(partial.blocks):                        # exactly those slots hold data
             assert_same_bytes(dst[0][20 + k], src[0][k])
+        written = set(range(20, 20 + partial.blocks))
+        others = [s for s in range(64) if s not in written and dst[0][s].any()]
+        assert others == [], f"slots {others} hold data that the partial result does not count"
 
 
 async def test_an_endpoint_used_after_fork_says_so():
