@@ -33,6 +33,19 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 #: for the few tests that exercise a native asyncio cancellation (Task.cancel, asyncio.timeout)
 asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 
+
+def _have_nixl() -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec("nixl") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+#: for the NIXL tests of a module that also holds in-process ones: only they skip without
+#: NIXL (a module-level ``importorskip`` would skip the whole module, the tests above it too)
+requires_nixl = pytest.mark.skipif(not _have_nixl(), reason="needs NIXL (the nixl package)")
+
 #: a small slab keeps tests fast and makes multi-batch loads cheap to provoke
 SMALL_CFG = EndpointConfig(full_bytes=16 * KiB, small_bytes=1 * KiB)
 

@@ -23,8 +23,12 @@ from xavier_async import (Endpoint, EndpointConfig, LocalFabric, LocalTransport,
                           StaleRequestError)
 from xavier_async.protocol import Load
 from xavier_async.testing import FaultPlan, FaultyTransport
+from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec, check_loaded,
+                                               pattern_caches, zero_slots)
+from xavier_async.transports.nixl import NixlTransport  # imports without NIXL; used only below
 
-from .conftest import assert_same_bytes, fenced_slabs, random_cache, recv_slab, zero_cache
+from .conftest import (assert_same_bytes, fenced_slabs, random_cache, recv_slab, requires_nixl,
+                       zero_cache)
 
 pytestmark = pytest.mark.asyncio  # real NIXL processes in some tests: asyncio (pytest-asyncio)
 
@@ -399,13 +403,7 @@ async def test_a_background_task_that_raises_never_takes_the_endpoint_down(monke
                for r in caplog.records if r.levelname == "ERROR")
 
 
-# -- over real NIXL, three processes -----------------------------------------------------------
-
-nixl = pytest.importorskip("nixl")
-
-from xavier_async.testing.peer_process import (LayoutSpec, PeerProcess, PeerSpec,  # noqa: E402
-                                               check_loaded, pattern_caches, zero_slots)
-from xavier_async.transports.nixl import NixlTransport  # noqa: E402
+# -- over real NIXL, three processes (skipped without NIXL, these only) ------------------------
 
 SPEC = LayoutSpec(layers=2, num_slots=32, block_shape=(4, 64), dtype="bfloat16")  # 512 B blocks
 NCFG = dict(full_bytes=64 * KiB, small_bytes=4 * KiB)
@@ -491,6 +489,7 @@ async def _freeze_resume(rounds: int, stall_check: float, seed: int = 0) -> dict
     return counts
 
 
+@requires_nixl
 async def test_freeze_resume_a_stale_write_lands_only_in_the_fenced_slab():
     """Rank 1 without the stall check (a source that serves the stale request): its late
     WRITE lands, in the fenced slab; no load ever returns its bytes."""
@@ -500,6 +499,7 @@ async def test_freeze_resume_a_stale_write_lands_only_in_the_fenced_slab():
     assert counts["late_landed"] >= 1, counts   # the dangerous write really happened
 
 
+@requires_nixl
 async def test_freeze_resume_with_every_defence():
     """The same with the default source (it re-checks its control streams after a stall)."""
     counts = await _freeze_resume(rounds=6, stall_check=0.25, seed=1)
@@ -508,12 +508,14 @@ async def test_freeze_resume_with_every_defence():
 
 
 @pytest.mark.slow
+@requires_nixl
 async def test_freeze_resume_many_rounds():
     counts = await _freeze_resume(rounds=60, stall_check=0.0, seed=2)
     assert counts["rounds"] == 60 and counts["late_landed"] >= 1, counts
 
 
 @pytest.mark.slow
+@requires_nixl
 async def test_soak_100k_loads_with_faults_cancellations_and_a_restart():
     """``xavier-async bench --soak 100000`` as a test: every successful load's bytes are
     checked inside; memory and descriptors stay flat after the warm-up."""

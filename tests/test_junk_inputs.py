@@ -18,6 +18,9 @@ from hypothesis import strategies as st
 
 from xavier_async import (Endpoint, EndpointConfig, HandshakeError, InvalidRequestError,
                           LocalFabric, XavierError)
+from xavier_async.transports.nixl import NixlTransport, parse_address  # both import without NIXL
+
+from .conftest import requires_nixl
 
 CFG = EndpointConfig(full_bytes=16 << 10, small_bytes=1 << 10)
 LAYERS = (0, "v")
@@ -141,11 +144,7 @@ def test_unpublish_of_a_malformed_key_is_refused(key):
         ep.unpublish(key)
 
 
-# -- NIXL addresses --------------------------------------------------------------------
-
-nixl = pytest.importorskip("nixl")
-
-from xavier_async.transports.nixl import NixlTransport, parse_address  # noqa: E402
+# -- NIXL addresses (parsing needs no NIXL; a connect through a transport does) -----------
 
 BAD_ADDRESSES = ["host:port:x", "[::1", "::1]:80", "a:99999", "a:0", "a:１２", "a:²", "a:+80", "a: 80",
                  "a:", ":80", "a", "[nothost]:80", "a b:80", "a\x00b:80", "a\nb:80", "x" * 300 + ":80",
@@ -187,6 +186,7 @@ def nixl_opened() -> Iterator[tuple[BlockingPortal, Endpoint]]:
             yield portal, ep
 
 
+@requires_nixl
 @pytest.mark.parametrize("address", [*BAD_ADDRESSES, None, 5, b"127.0.0.1:80", ["a:1"]])
 def test_nixl_connect_refuses_malformed_addresses_with_a_library_error(nixl_opened, address):
     portal, ep = nixl_opened
