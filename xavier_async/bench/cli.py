@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--no-pin", dest="pin", action="store_const", const=False,
                      help="do not pin (the default on CUDA machines)")
     b.add_argument("--quick", action="store_true", help="small counts (CI); same sections")
+    b.add_argument("--vllm", action="store_true",
+                   help="only the vLLM section: B's TTFT inside real vLLM on the CPU, recompute vs "
+                        "XavierConnector vs vLLM's NixlConnector (needs the vllm extra)")
     serving = b.add_mutually_exclusive_group()
     serving.add_argument("--no-serving", dest="serving", action="store_false",
                          help="skip the serving-load section (two or three processes, 16 loads in flight)")
@@ -176,6 +179,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     import anyio
+
+    if args.vllm:
+        from . import vllm_ttft
+        prefixes = (128, 1024) if args.quick else vllm_ttft.PREFIXES
+        res = vllm_ttft.run(prefixes=prefixes, reps=2 if args.quick else 3)
+        print(vllm_ttft.table(res))
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(res, indent=2, default=str))
+            print(f"wrote {args.json}")
+        return 0
 
     if args.soak is not None:
         from .soak import print_soak, soak
