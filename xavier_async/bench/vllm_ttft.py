@@ -41,7 +41,7 @@ def xavier_rows(model: str, prefixes: Sequence[int], reps: int, mode: str = "syn
                 wait=False)
     b = Replica(ReplicaSpec(model, "1", xavier_config(1, "127.0.0.1:7512", ["127.0.0.1:7511"],
                                                        load_mode=mode)), wait=False)
-    rows: dict[str, Any] = {}
+    rows: dict[Any, Any] = {}
     try:
         a.wait_ready(), b.wait_ready()
         rng = random.Random(1)
@@ -114,7 +114,7 @@ def nixl_rows(model: str, prefixes: Sequence[int], reps: int) -> dict[str, Any]:
              ctx.Process(target=_nixl_decode, args=(model, cb))]
     for p in procs:
         p.start()
-    rows: dict[str, Any] = {}
+    rows: dict[Any, Any] = {}
     try:
         for conn in (pa, pb):
             if not conn.poll(300) or conn.recv() != "ready":
