@@ -210,7 +210,8 @@ async def test_a_fence_wakes_a_large_load_held_back_by_the_head_of_line_rule():
     """Four large loads from a source that stops writing: three hold slabs 0-2, the fourth
     waits (slab 3 is kept for small batches). When the three time out and are fenced the
     fourth is woken (the pool shrank, the rule is evaluated again) and fails with
-    PeerLostError at about ``request_timeout``; close returns."""
+    PeerLostError: the source was dropped meanwhile; close returns. (No speed bound: a
+    fourth load never woken would wait for ever, which the hang guards catch.)"""
     fabric = LocalFabric()
     cfg = EndpointConfig(**SMALL_BLOCKS, request_timeout=0.3)
     srcs, faulty, eps = await _sources(fabric, 1, cfg)
@@ -218,21 +219,21 @@ async def test_a_fence_wakes_a_large_load_held_back_by_the_head_of_line_rule():
     a, b, c = eps
     async with b, c, AsyncExitStack() as stack:
         stack.callback(frozen.release_held)             # lets b close
+        stack.enter_context(anyio.fail_after(60))      # a hang guard, close of a included
         async with a:
             for ep in (b, c):
                 await a.connect(ep.address)
                 for s in range(16):
                     ep.publish(s, s)
             frozen.hold_next_writes(4)
-            errors: list[BaseException] = []
+            errors: dict[int, BaseException] = {}
 
             async def large(i: int) -> None:
                 with pytest.raises(PeerLostError) as info:   # 2 KiB: larger than the small view
                     await a.load({1: {0: {2 * i: 2 * i, 2 * i + 1: 2 * i + 1}}})
-                errors.append(info.value)
+                errors[i] = info.value
 
-            t0 = anyio.current_time()
-            with anyio.fail_after(5):
+            with anyio.fail_after(30):                    # a hang guard
                 async with anyio.create_task_group() as tg:
                     for i in range(4):
                         tg.start_soon(large, i)
@@ -240,12 +241,15 @@ async def test_a_fence_wakes_a_large_load_held_back_by_the_head_of_line_rule():
                         await anyio.sleep(0.005)
                     assert a.recv_slab_stats["in_use"] == 3      # the fourth is held back
             assert len(errors) == 4
-            assert anyio.current_time() - t0 < 2.0
+            # three timed out on their copies and were fenced; the fourth, woken by the
+            # last fence, found its source dropped (by those timeouts) and sent nothing
+            timed_out = [i for i, e in errors.items() if str(e).startswith("rank 1 did not complete")]
+            assert sorted(timed_out) == [0, 1, 2] and "was lost" in str(errors[3]), errors
+            assert frozen.injected.writes_stalled == 3 and a.recv_slab_stats["fences"] == 3
             a.check_invariants(idle=True)
             await a.load({2: {0: {9: 9}}})                   # the healthy source still loads
             assert_same_bytes(a.caches[0][9], srcs[2][0][9])
-            t0 = anyio.current_time()
-        assert anyio.current_time() - t0 < 2.0               # and close returns
+        assert a.closed                                      # and close returned
 
 
 async def test_a_reply_naming_another_receive_slab_is_an_integrity_error(monkeypatch):

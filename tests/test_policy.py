@@ -317,15 +317,18 @@ def test_interleaved_peers_match_independent_references(streak, seqs):
 # -- hot-path cost ------------------------------------------------------------------------
 
 def test_select_microbenchmark():
-    """Speed is a benchmark target, not a test: report the median, assert only sanity."""
+    """Speed is a benchmark target, not a test: the median is reported, never asserted
+    (a loaded machine would fail any bound); what the timed calls chose is checked
+    against the reference model."""
     p = ChannelPolicy(12 << 20, 256 << 10)
+    ref = ReferenceModel(12 << 20, 256 << 10, p.streak)
     sizes = [16 << 10, 200 << 10, 12 << 20, 64 << 10] * 250
-    samples = []
+    samples, chosen = [], []
     for _ in range(30):
         t0 = time.perf_counter_ns()
         for n in sizes:
-            p.select(n)
+            chosen.append(p.select(n))
         samples.append((time.perf_counter_ns() - t0) / len(sizes))
     median_us = statistics.median(samples) / 1000
     print(f"\nChannelPolicy.select median: {median_us * 1000:.0f} ns per call")
-    assert median_us < 50
+    assert chosen == [ref.select(n) for n in sizes * 30]

@@ -117,7 +117,7 @@ async def test_silent_greeters_do_not_lock_out_a_real_peer(origin, record_proper
             lockout = anyio.current_time() - t0
             record_property("lockout_s", round(lockout, 3))
             print(f"\n64 silent greeters ({origin}): the real peer connected after {lockout:.3f} s")
-            assert lockout < 5.0  # a hang guard only: the figure is reported, not asserted
+            # the figure is reported, not asserted: the fail_after(GUARD) above is the hang guard
             assert a.peers == (1,) and b.peers == (0,)
 
 

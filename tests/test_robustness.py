@@ -4,8 +4,6 @@ unpublished while its serve waits."""
 
 from __future__ import annotations
 
-import time
-
 import anyio
 import pytest
 import torch
@@ -113,20 +111,32 @@ async def test_inline_serving_never_blocks_the_caller_on_a_slow_copy():
         await b.connect(a.address)
         a.publish("k", 4)
         await b.load({0: {0: {"k": 0}}})        # maps the view: later serves can be inline
-        slow.stall_next_writes(1, 0.3)
+        slow.hold_next_writes(1)               # the serve's copy is held until released
         b_send = b.transport.send
-        took = []
+        sent = anyio.Event()
 
-        async def timed_send(peer, msg):
-            t0 = time.monotonic()
+        async def noted_send(peer, msg):
             await b_send(peer, msg)
-            took.append(time.monotonic() - t0)
+            sent.set()
 
-        b.transport.send = timed_send  # type: ignore[method-assign]
-        t0 = time.monotonic()
-        await b.load({0: {0: {"k": 1}}})
-        assert time.monotonic() - t0 >= 0.25   # the load did wait for the stalled copy...
-        assert took and took[0] < 0.1          # ...but the request was handed over at once
+        b.transport.send = noted_send  # type: ignore[method-assign]
+        done = []
+
+        async def load():
+            await b.load({0: {0: {"k": 1}}})
+            done.append(1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load)
+            try:
+                # a send that waited for the copy would never return: the copy is held
+                with anyio.fail_after(30):     # a hang guard
+                    await sent.wait()          # the request was handed over...
+                    await slow.wait_stalled(1)  # ...and its copy is posted and held
+                assert not done                # the load waits for that copy
+            finally:
+                slow.release_held()            # (a failed check must not hang the load)
+        assert done
         assert_same_bytes(dst[0][1], src[0][4])
 
 
