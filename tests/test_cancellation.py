@@ -3,7 +3,9 @@ still sees its cancellation, close drains, rejects new work, is idempotent and s
 cancel.
 
 Timing checks here are only lower bounds ("did not return before the stall ended"), with
-margins, plus a generous upper bound where a load that never started must not wait."""
+margins. A cancellation meant for a started copy comes once the copy is seen stalled (or
+its registration seen begun), never on a timer; a load that never started is shown not to
+wait by ending while the copy it queued behind is still held."""
 
 from __future__ import annotations
 
@@ -123,9 +125,17 @@ async def test_cancelled_loader_waits_for_its_started_copy():
     async with stalled() as (cs, orig, (a, b)):
         reached_after_load = False
         t0 = time.monotonic()
-        with anyio.move_on_after(EARLY) as scope:
-            await a.load(req(1, [(3, 4)]))
-            reached_after_load = True
+        scope = anyio.CancelScope()
+
+        async def cancel_once_started():
+            await b.transport.wait_stalled()           # the copy has started
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_once_started)
+            with scope:
+                await a.load(req(1, [(3, 4)]))
+                reached_after_load = True
         elapsed = time.monotonic() - t0
         assert scope.cancel_called and scope.cancelled_caught     # the caller saw it
         assert not reached_after_load
@@ -217,34 +227,52 @@ async def test_native_asyncio_cancel_waits_for_the_copy():
 async def test_asyncio_timeout_around_a_stalled_load():
     async with stalled() as (cs, orig, (a, b)):
         t0 = time.monotonic()
+        timeout = asyncio.timeout(None)                # expires once the copy has started
+
+        async def expire_once_started():
+            await b.transport.wait_stalled()
+            timeout.reschedule(asyncio.get_running_loop().time())
+
+        expiry = asyncio.ensure_future(expire_once_started())
         with pytest.raises(TimeoutError):
-            async with asyncio.timeout(EARLY):
+            async with timeout:
                 await a.load(req(1, [(2, 3)]))
+        await expiry
         assert time.monotonic() - t0 >= STALL * MARGIN
         await not_unpacked_then_loads(a, cs, orig, [(2, 3)])
 
 
 async def test_a_load_that_never_started_is_cancelled_at_once():
-    """A load waiting for the (only) receive slab is cancelled at once, nothing sent."""
-    stall = 0.6
-    async with stalled(3, stall, receive_slabs=1) as (cs, orig, (a, b, c)):
+    """A load waiting for the (only) receive slab is cancelled at once, nothing sent: it
+    ends while the first load's copy is still held (no clock)."""
+    async with stalled(3, receive_slabs=1) as (cs, orig, (a, b, c)):
+        b.transport.hold_next_writes(1)                # the first copy: held, not stalled
         res = {}
+        scope = anyio.CancelScope()
 
         async def first():
             await a.load(req(1, [(0, 0)]))
 
         async def queued():
-            await b.transport.wait_stalled()           # the first load's copy has started
-            t0 = time.monotonic()
-            with anyio.move_on_after(EARLY) as scope:
+            with scope:
                 await a.load(req(2, [(1, 1)]))      # waits for the receive slab
-            res["queued"] = (time.monotonic() - t0, scope.cancelled_caught)
+            res["queued"] = scope.cancelled_caught
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(first)
-            tg.start_soon(queued)
-        elapsed, caught = res["queued"]
-        assert caught and elapsed < stall - 0.1       # not held back by b's stalled copy
+            try:
+                with anyio.fail_after(30):             # a hang guard
+                    await b.transport.wait_stalled()   # the first load's copy has started
+                    tg.start_soon(queued)
+                    while a.recv_slab_stats["waiting"] < 1:   # the queued load waits
+                        await anyio.sleep(0.005)
+                    scope.cancel()
+                    while "queued" not in res:         # ...and ends, though the copy is held
+                        await anyio.sleep(0.005)
+                assert b.metrics.peer(0).batches_sent == 0   # the first copy has not ended
+            finally:
+                b.transport.release_held()
+        assert res["queued"]
         assert c.metrics.peer(0).batches_sent == 0   # nothing was sent for it
         check(cs[0], orig[1], [(0, 0)])
         untouched(cs, orig, 1)
@@ -255,9 +283,19 @@ async def test_cancelled_registration_is_not_cached():
     async with cluster(cs, cfg(), raw_copies=True,
                        wrap={0: lambda f: CountingTransport(f, map_delay=STALL)}) as (a, b):
         a.send_slab.tensor.copy_(torch.arange(16 * KiB) % 253)
-        with anyio.move_on_after(EARLY) as scope:
-            await copy_raw(a, 1, 100)
-        assert scope.cancelled_caught
+        scope = anyio.CancelScope()
+
+        async def cancel_while_mapping():
+            with anyio.fail_after(30):                 # a hang guard
+                while a.transport.map_calls < 1:       # the registration has begun
+                    await anyio.sleep(0.001)
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_while_mapping)
+            with scope:
+                await copy_raw(a, 1, 100)
+        assert scope.cancelled_caught and a.transport.map_done == 0   # cancelled mid-mapping
         ch = a.channel(1)
         assert mapped_views(ch) == () and ch.policy.state == "full"
         assert a.metrics.peer(1).batches_sent == 0
@@ -269,8 +307,16 @@ async def test_cancelled_registration_is_not_cached():
 async def test_cancelled_raw_copy_waits_for_the_write():
     async with stalled_raw_copy() as (a, b):
         t0 = time.monotonic()
-        with anyio.move_on_after(EARLY) as scope:
-            await copy_raw(a, 1, 16 * KiB)
+        scope = anyio.CancelScope()
+
+        async def cancel_once_started():
+            await a.transport.wait_stalled()           # the write has started
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_once_started)
+            with scope:
+                await copy_raw(a, 1, 16 * KiB)
         assert scope.cancelled_caught and time.monotonic() - t0 >= STALL * MARGIN
         assert_same_bytes(b.recv_slab.tensor, a.send_slab.tensor)   # the copy completed
         assert a.metrics.peer(1).batches_sent == 2
