@@ -291,7 +291,9 @@ print("ok")
 def test_fused_kernel_under_the_triton_interpreter():
     """The CUDA pack/unpack kernel, run by Triton's CPU interpreter on host memory: all
     65,536 BF16 patterns, scattered and reversed slots, fan-out, an odd block size (the
-    byte-wise variant) and long runs, as a grid of chunks and cut into chunks on the host."""
+    byte-wise variant) and long runs, as a grid of chunks and cut into chunks on the host.
+    Skipped only where Triton is not installed (the test extra brings it on Linux); any
+    failure of the kernel under the interpreter fails the test (Triton 3.9 runs it)."""
     pytest.importorskip("triton")
     import os
     import subprocess
@@ -299,8 +301,6 @@ def test_fused_kernel_under_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True,
                          text=True, timeout=300)
-    if out.returncode != 0 and "interpret" in out.stderr.lower() and "not supported" in out.stderr.lower():
-        pytest.skip(f"Triton's interpreter cannot run the kernel here: {out.stderr[-300:]}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
 
