@@ -415,7 +415,8 @@ SEED = 11
 
 
 async def _freeze_resume(rounds: int, stall_check: float, seed: int = 0) -> dict[str, int]:
-    """The scenario of issue 9. Returns counts: rounds, late writes that landed, loads."""
+    """The scenario of issue 9. Returns counts: rounds, late writes that landed, loads,
+    and the stalls rank 1's poll loop noticed."""
     rng = random.Random(seed)
     expected = {r: pattern_caches(SPEC, r, SEED) for r in (1, 2)}
     caches = {layer: t.zero_() for layer, t in pattern_caches(SPEC, 0, SEED).items()}
@@ -481,6 +482,8 @@ async def _freeze_resume(rounds: int, stall_check: float, seed: int = 0) -> dict
                         assert torch.equal(slab.tensor[: want.numel()], want)
                         counts["late_bytes_seen"] += 1
                 counts["rounds"] += 1
+            stats1 = await anyio.to_thread.run_sync(p1.call, "transport_stats")
+            counts["stalls_seen"] = stats1["stalls_seen"]   # rank 1's poll loop noticed
             stats = ep.recv_slab_stats
             assert stats["fenced_now"] == 0, stats          # every stale writer was proven done
             assert stats["registered"] <= cfg.receive_slabs + 2, stats  # fences reuse released slabs
@@ -500,15 +503,20 @@ async def test_freeze_resume_a_stale_write_lands_only_in_the_fenced_slab():
     counts = await _freeze_resume(rounds=12, stall_check=0.0)
     print(counts)
     assert counts["rounds"] == 12 and counts["timeouts"] == 12
+    assert counts["stalls_seen"] == 0, counts   # the check is off: nothing swept
     assert counts["late_landed"] >= 1, counts   # the dangerous write really happened
 
 
 @requires_nixl
 async def test_freeze_resume_with_every_defence():
-    """The same with the default source (it re-checks its control streams after a stall)."""
+    """The same with the default source (it re-checks its control streams after a stall):
+    its poll loop notices every freeze (each lasts past the 1 s request timeout) and drops
+    the loader that hung up before serving its stale request, so no late write lands."""
     counts = await _freeze_resume(rounds=6, stall_check=0.25, seed=1)
     print(counts)
-    assert counts["rounds"] == 6
+    assert counts["rounds"] == 6 and counts["timeouts"] == 6
+    assert counts["stalls_seen"] >= 6, counts   # every freeze noticed, and swept
+    assert counts["late_landed"] == 0, counts   # the stale request was never served
 
 
 @pytest.mark.slow

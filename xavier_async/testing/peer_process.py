@@ -298,6 +298,13 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                 """How many of this endpoint's background tasks crashed (a bug each)."""
                 return task_crashes(ep)
 
+            async def transport_stats(_: Any) -> dict[str, Any]:
+                """The NIXL transport's own counts: ``stalls_seen``, the stalls its poll
+                loop noticed (each followed by a sweep of the peers' streams; 0 with
+                ``stall_check=0``)."""
+                inner = getattr(transport, "inner", transport)  # under a FaultyTransport
+                return {"stalls_seen": inner.stalls_seen}
+
             # the requests of the last replay, checked (then their slots zeroed) by check_replay
             replayed: list[Any] = []
             expected: dict[int, dict[int, torch.Tensor]] = {}
@@ -350,6 +357,7 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
                                         "publish_blocks": publish_blocks,
                                         "recv_digest": recv_digest, "peers": peers,
                                         "metrics": metrics, "task_crashes": crashes,
+                                        "transport_stats": transport_stats,
                                         "replay": replay,
                                         "check_replay": check_replay})
 
