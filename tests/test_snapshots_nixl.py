@@ -1,7 +1,8 @@
 """The snapshot store over real NIXL between processes (DRAM tiers here; VRAM and pinned
 DRAM with XAVIER_TEST_DEVICE=cuda): a source whose tiers hold 16 blocks publishes 96 while
 a loader loads concurrently, zeroing its own slots after each publish (the engine reuses
-them). Every load that succeeds holds exactly the bytes published under its key; one of
+them: keys k and k + 64 are published from one slot, each with its own bytes). Every load
+that succeeds holds exactly the bytes published under its key; one of
 an evicted key is refused and writes nothing; blocks are demoted, evicted, and written
 straight from the store (one hash over every layer); registrations stay flat."""
 
@@ -34,9 +35,14 @@ SOURCE = dict(SLABS, snapshot_gpu_bytes=8 * BLOCK, snapshot_cpu_bytes=8 * BLOCK,
 S, K, T = 4, 4, 2
 
 
+def _seed(key: int) -> int:
+    """The pattern seed of ``key``'s block: every key its own bytes."""
+    return SEED * 1000 + key
+
+
 @pytest.mark.asyncio
 async def test_a_publish_flood_through_small_tiers_while_a_peer_loads():
-    expected = {1: pattern_caches(SPEC, 1, SEED)}
+    expected = {key: {1: pattern_caches(SPEC, 1, _seed(key))} for key in range(1000, 1096)}
     src = PeerProcess(PeerSpec(rank=1, layout=SPEC, seed=SEED, config=SOURCE, torch_threads=1,
                                device=THERE, published=1))   # publishes slot 0 only at start
     rng = random.Random(5)
@@ -52,7 +58,8 @@ async def test_a_publish_flood_through_small_tiers_while_a_peer_loads():
                     keys = [1000 + 4 * batch + i for i in range(4)]
                     slots = [(k - 1000) % SPEC.num_slots for k in keys]
                     r = await anyio.to_thread.run_sync(src.call, "publish_blocks",
-                                                       {"keys": keys, "slots": slots})
+                                                       {"keys": keys, "slots": slots,
+                                                        "seeds": [_seed(k) for k in keys]})
                     live.extend(r["available"])
                     for gone in r["evicted"]:
                         live.remove(gone)
@@ -74,9 +81,9 @@ async def test_a_publish_flood_through_small_tiers_while_a_peer_loads():
                         outcomes["refused"] += 1
                         assert all(not ep.caches[layer][8 + i % 48].any() for layer in layers)
                         continue
-                    # the bytes published under this key: its source slot's pattern
+                    # the bytes published under this key: its own pattern, in its source slot
                     check_loaded(ep.caches, {1: {layer: {slot: 8 + i % 48} for layer in layers}},
-                                 expected)
+                                 expected[key])
                     outcomes["ok"] += 1
 
             with anyio.fail_after(120):

@@ -278,11 +278,23 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
             async def publish_blocks(arg: Any) -> dict[str, Any]:
                 """``{"keys": [...], "slots": [...]}``: the slots get their pattern back,
                 are published, then zeroed (the engine reuses them at once: loads must
-                still see the published bytes, from the snapshot store)."""
+                still see the published bytes, from the snapshot store). With
+                ``"seeds": [...]`` (one per key) slot ``slots[i]`` gets its pattern of
+                ``pattern_caches(layout, rank, seeds[i])`` instead, so that two keys
+                published from one slot hold different bytes."""
                 keys, slots = list(arg["keys"]), list(arg["slots"])
-                fresh = pattern_caches(spec.layout, spec.rank, spec.seed, spec.device)
-                for layer, t in caches.items():
-                    t[slots] = fresh[layer][slots]
+                seeds = arg.get("seeds")
+                if seeds is None:
+                    fresh = pattern_caches(spec.layout, spec.rank, spec.seed, spec.device)
+                    for layer, t in caches.items():
+                        t[slots] = fresh[layer][slots]
+                else:
+                    if len(seeds) != len(keys):
+                        raise ValueError("publish_blocks: one seed per key")
+                    for slot, seed in zip(slots, seeds):
+                        fresh = pattern_caches(spec.layout, spec.rank, int(seed), spec.device)
+                        for layer, t in caches.items():
+                            t[slot] = fresh[layer][slot]
                 r = await ep.publish_blocks(keys, slots)
                 for t in caches.values():
                     t[slots] = 0
