@@ -27,6 +27,9 @@ def test_the_contract_keys_parse_with_defaults():
         0, "127.0.0.1:7311", ("127.0.0.1:7312",), "sync", False)
     assert s.listen_of(1) == "127.0.0.1:7312" and s.peers_of(2) == ("127.0.0.1:7314",)
     assert ConnectorSettings.parse({**BASE, "peers": []}).peers == ()
+    # inside an engine the poller never spins past an empty poll (docs/benchmarks.md)
+    assert (s.poll_hot_window, s.idle_poll) == (0.0, 0.0005)
+    assert ConnectorSettings.parse({**BASE, "poll_hot_window": 0.002}).poll_hot_window == 0.002
 
 
 @pytest.mark.parametrize("extra,words", [
@@ -49,6 +52,8 @@ def test_the_contract_keys_parse_with_defaults():
     ({**BASE, "connect_timeout": float("nan")}, "connect_timeout"),
     ({**BASE, "min_load_blocks": 0}, "min_load_blocks"),
     ({**BASE, "stats_file": 3}, "stats_file"),
+    ({**BASE, "poll_hot_window": -1}, "poll_hot_window"),
+    ({**BASE, "idle_poll": 0}, "idle_poll"),
     ({**BASE, "rnak": 1}, "unknown"),
 ])
 def test_bad_settings_name_the_key(extra, words):

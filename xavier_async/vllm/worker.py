@@ -108,7 +108,8 @@ class WorkerSide:
         from ..transports.nixl import NixlTransport
         s = self.settings
         host, port = self.listen.rsplit(":", 1)
-        transport = NixlTransport(host=host.strip("[]"), port=int(port), secret=s.secret)
+        transport = NixlTransport(host=host.strip("[]"), port=int(port), secret=s.secret,
+                                  hot_window=s.poll_hot_window, idle_poll=s.idle_poll)
         self._stop = anyio.Event()
         async with Endpoint(s.rank, caches, transport, self._config()) as ep:
             ep.watch(self)
@@ -327,11 +328,21 @@ class WorkerSide:
         with self._mirror_lock:
             held = {str(p): _digest(self.mirror.keys_of(p)) for p in self.mirror.peers}
             keys = len(self.mirror)
+        ep = self._ep
+        stages = _stage_summary(ep.metrics.stages.as_dict()) if ep is not None else {}
         with open(tmp, "w") as f:
-            json.dump(dict(self.stats, peers=list(self._ep.peers) if self._ep else [],
+            json.dump(dict(self.stats, peers=list(ep.peers) if ep else [],
                            directory_keys=keys, directory_digests=held,
-                           published_digest=_digest(self._published)), f)
+                           published_digest=_digest(self._published), stages=stages), f)
         os.replace(tmp, self.stats_file)
+
+
+def _stage_summary(stages: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The endpoint's per-stage histograms as ``n``, ``p50_us`` and ``p99_us`` of each
+    stage that ran (``stages.LoadStages``: receiver and source sides)."""
+    return {side: {name: {"n": h["n"], "p50_us": h["p50_us"], "p99_us": h["p99_us"]}
+                   for name, h in hists.items() if h["n"]}
+            for side, hists in stages.items()}
 
 
 def _digest(keys: Any) -> str:
