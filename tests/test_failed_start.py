@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xavier_async import Endpoint, EndpointConfig, EndpointClosedError, InvalidRequestError, ListenError
+from xavier_async import (AllocationError, Endpoint, EndpointClosedError, EndpointConfig,
+                          InvalidRequestError, ListenError)
 
 from .conftest import assert_same_bytes, random_cache, zero_cache
 
@@ -33,7 +34,8 @@ def _bad_host() -> NixlTransport:
     return NixlTransport(host="192.0.2.1", insecure=True)   # TEST-NET: not an address of ours
 
 
-@pytest.mark.parametrize("cause", ["meta device", "bad host", "port in use"])
+@pytest.mark.parametrize("cause", ["meta device", "bad host", "port in use", "no such backend",
+                                   "no memory"])
 async def test_failed_start_raises_the_real_error_and_leaves_the_task_healthy(cause):
     dst = {0: zero_cache(8, (256,), torch.float32)}
     async with Endpoint(0, dst, NixlTransport(), CFG) as a, \
@@ -45,6 +47,12 @@ async def test_failed_start_raises_the_real_error_and_leaves_the_task_healthy(ca
         elif cause == "bad host":
             bad = Endpoint(2, _caches(2), _bad_host(), CFG)
             expected = ListenError  # an OSError too, with the cause chained
+        elif cause == "no such backend":  # a typed error naming the setting, not NIXL's own
+            bad = Endpoint(2, _caches(2), NixlTransport(backends=("NOPE",)), CFG)
+            expected = InvalidRequestError
+        elif cause == "no memory":        # a typed error naming the setting, not torch's
+            bad = Endpoint(2, _caches(2), NixlTransport(), EndpointConfig(full_bytes=2**40))
+            expected = AllocationError
         else:
             port = int(a.address.rpartition(":")[2])
             bad = Endpoint(2, _caches(2), NixlTransport(port=port), CFG)
@@ -53,16 +61,22 @@ async def test_failed_start_raises_the_real_error_and_leaves_the_task_healthy(ca
             async with bad:
                 pytest.fail("a failed start must not run the body")
         assert "cancel scope" not in str(info.value)
+        if cause == "no such backend":
+            assert "backends=('NOPE',)" in str(info.value) and "UCX" in str(info.value)
+        if cause == "no memory":
+            assert "full_bytes=1099511627776" in str(info.value)
+            assert isinstance(info.value, MemoryError) and info.value.__cause__ is not None
         if expected is ListenError:  # names where, and chains the operating system's error
             assert ":" + (str(port) if cause == "port in use" else "0") in str(info.value)
             assert isinstance(info.value.__cause__, OSError)
         t = bad.transport
         assert isinstance(t, NixlTransport)
         assert t._reg == [] and t._peers == {}                  # nothing registered now
-        # a meta device is refused before anything is registered; the other two fail at
-        # the bind, after registering both slabs (then deregistered): none of the three
-        # ever listened
-        assert t.memory_registrations == (0 if cause == "meta device" else 2)
+        # a meta device, a backend NIXL lacks and memory that is not there are refused
+        # before anything is registered; the other two fail at the bind, after registering
+        # both slabs (then deregistered): none of them ever listened
+        early = cause in ("meta device", "no such backend", "no memory")
+        assert t.memory_registrations == (0 if early else 2)
         assert t._peering.listener is None and t._peering.bound is None
         assert bad.closed
         with pytest.raises(EndpointClosedError):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .channel import PeerChannel
 from .endpoint import Endpoint, EndpointConfig, LoadResult, PeerWatcher
-from .errors import (EndpointClosedError, HandshakeError, IntegrityError, InternalError,
+from .errors import (AllocationError, EndpointClosedError, HandshakeError, IntegrityError, InternalError,
                      InvalidRequestError, LayoutMismatchError, ListenError, PeerLostError,
                      RegistrationError, RemoteError,
                      StaleRequestError, TransferError, UnknownPeerError, XavierError)
@@ -32,7 +32,7 @@ __all__ = [
     "XavierError", "InvalidRequestError", "LayoutMismatchError", "UnknownPeerError",
     "EndpointClosedError", "RegistrationError", "TransferError", "PeerLostError",
     "RemoteError", "HandshakeError", "ListenError", "IntegrityError", "InternalError",
-    "StaleRequestError",
+    "StaleRequestError", "AllocationError",
     "__version__",
 ]
 

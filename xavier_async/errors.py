@@ -93,6 +93,13 @@ class HandshakeError(XavierError):
         self.reason = reason
 
 
+class AllocationError(XavierError, MemoryError):
+    """The endpoint could not allocate its slabs or its snapshot store (the memory asked
+    for is not there); raised by ``async with Endpoint`` before anything is registered,
+    naming the setting (``full_bytes``, ``snapshot_gpu_bytes``, ``snapshot_cpu_bytes``)
+    and the size, with the allocator's error chained as ``__cause__``."""
+
+
 class ListenError(XavierError, OSError):
     """The endpoint could not listen on its ``host:port`` (the port is in use, or the host
     is not an address of this machine); raised by ``async with Endpoint`` before anything

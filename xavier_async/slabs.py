@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvalidRequestError
+from .errors import AllocationError, InvalidRequestError
 from .sizes import DEFAULT_FULL_BYTES, DEFAULT_SMALL_BYTES, FULL, SMALL, KiB, MiB, SlabSizes, View
 
 __all__ = ["DEFAULT_FULL_BYTES", "DEFAULT_SMALL_BYTES", "KiB", "MiB", "Slab", "SlabView",
@@ -102,8 +102,15 @@ def allocate_slabs(full_bytes: int, small_bytes: int, device: torch.device) -> t
 
 def allocate_slab(direction: str, full_bytes: int, small_bytes: int, device: torch.device,
                   index: int = 0) -> Slab:
-    """One slab of ``direction`` (``"send"`` or ``"recv"``), numbered ``index``."""
-    return Slab(direction, torch.zeros(full_bytes, dtype=torch.uint8, device=device), small_bytes, index)
+    """One slab of ``direction`` (``"send"`` or ``"recv"``), numbered ``index``;
+    :class:`AllocationError` where the memory is not there."""
+    try:
+        memory = torch.zeros(full_bytes, dtype=torch.uint8, device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch's CPU allocator / CUDA OOM
+        raise AllocationError(f"cannot allocate a {direction} slab of full_bytes={full_bytes} "
+                              f"on {device}: lower EndpointConfig(full_bytes=...) "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from exc
+    return Slab(direction, memory, small_bytes, index)
 
 
 def payload_digest(buf: torch.Tensor, nbytes: int) -> str:

@@ -29,7 +29,7 @@ import anyio
 import numpy as np
 import torch
 
-from .errors import InvalidRequestError
+from .errors import AllocationError, InvalidRequestError
 from .layout import BlockKey, CacheLayout, LayerId
 from .packing import DeviceRuns, RunTable, SlabRows, merged_runs, run_host
 from .planning import BlockSpec, Segment, SegmentItem
@@ -122,9 +122,15 @@ class SnapshotStore:
         returns them for the transport to register."""
         dev = self.layout.device
         n_dev, n_host, b = self.index.device_slots, self.index.host_slots, self.block_bytes
-        self.device_pool = torch.empty((n_dev, b), dtype=torch.uint8, device=dev)
-        self.host_pool = torch.empty((n_host, b), dtype=torch.uint8,
-                                     pin_memory=dev.type == "cuda" and n_host > 0)
+        try:
+            self.device_pool = torch.empty((n_dev, b), dtype=torch.uint8, device=dev)
+        except (RuntimeError, MemoryError) as exc:
+            raise _no_memory("snapshot_gpu_bytes", n_dev * b, dev, exc) from exc
+        try:
+            self.host_pool = torch.empty((n_host, b), dtype=torch.uint8,
+                                         pin_memory=dev.type == "cuda" and n_host > 0)
+        except (RuntimeError, MemoryError) as exc:
+            raise _no_memory("snapshot_cpu_bytes", n_host * b, "the host", exc) from exc
         self.table = StoreTable(self.device_pool, self.host_pool, self.offsets, n_dev, b)
         self._runs = device_runs
         return [t for t in (self.device_pool, self.host_pool) if t.numel()]
@@ -484,6 +490,11 @@ class SnapshotStore:
         return {**self.index.stats(), "block_bytes": self.block_bytes,
                 "staged_blocks": self.staged_blocks, "stage_ns": self.stage_ns,
                 "demote_ns": self.demote_ns}
+
+
+def _no_memory(setting: str, nbytes: int, where: object, exc: BaseException) -> AllocationError:
+    return AllocationError(f"cannot allocate the snapshot store's {nbytes} B on {where}: lower "
+                           f"EndpointConfig({setting}=...) ({type(exc).__name__}: {str(exc)[:200]})")
 
 
 __all__ = ["SnapshotStore", "StoreTable", "PublishResult", "DEVICE", "HOST"]

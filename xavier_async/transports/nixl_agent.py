@@ -23,6 +23,8 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..errors import InvalidRequestError
+
 #: NIXL's own log level (read by NIXL's Python package and its C++ core); set, it means
 #: the user chose NIXL's own logging and :func:`adopt_nixl_logging` leaves it alone
 LOG_LEVEL_ENV = "NIXL_LOG_LEVEL"
@@ -58,6 +60,13 @@ def nixl_agent_factory(name: str, backends: list[str]) -> NixlAgent:
 
     adopt_nixl_logging()
     agent: NixlAgent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=backends))
+    made = getattr(agent, "backends", None)
+    if isinstance(made, dict):
+        missing = [b for b in backends if b not in made]
+        if missing:
+            raise InvalidRequestError(
+                f"NixlTransport(backends={tuple(backends)!r}): NIXL has no plugin for "
+                f"{missing}; the plugins it has: {sorted(getattr(agent, 'plugin_list', ()))}")
     return agent
 
 
