@@ -444,3 +444,44 @@ async def test_direct_write_regions_defaults_by_the_caches_memory():
         await a.load({1: _all_layers(0, 10)})
         assert b._source.direct_writes == 0
         _expect({0: {layer: src[layer][0] for layer in range(LAYERS)}}, 0, 10, a.caches)
+
+
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident, total) pages of ``t``'s memory, by ``mincore(2)``."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    n = (t.data_ptr() + t.numel() * t.element_size() - start + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), n
+
+
+@pytest.mark.parametrize("prefault", [False, True])
+async def test_snapshot_prefault_touches_the_tiers_at_start_and_keeps_the_bytes(prefault):
+    """``snapshot_prefault``: both tiers' pages are resident before any publish (no
+    first-touch page fault in a publish); without it the untouched tiers stay mostly
+    unbacked. Loads still return the published bytes."""
+    src = _caches(3)
+    big = 16384   # blocks a tier: 48 MiB (beyond glibc's largest mmap threshold: fresh pages)
+    async with cluster([_zeros(), src], _cfg(big, big, snapshot_prefault=prefault)) as (a, b):
+        store = b._source.store
+        for pool in (store.device_pool, store.host_pool):
+            resident, total = _resident_pages(pool)
+            if prefault:
+                assert resident == total
+            else:
+                assert resident < total // 2
+        snap = {k: {layer: src[layer][k].clone() for layer in range(LAYERS)} for k in range(4)}
+        await b.publish_blocks(list(range(4)), list(range(4)))
+        await a.load({1: {layer: {k: 20 + k for k in range(4)} for layer in range(LAYERS)}})
+        for k in range(4):
+            _expect(snap, k, 20 + k, a.caches)
+
+
+def test_snapshot_prefault_must_be_a_bool():
+    with pytest.raises(InvalidRequestError, match="snapshot_prefault"):
+        EndpointConfig(snapshot_prefault="yes")

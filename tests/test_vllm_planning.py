@@ -30,6 +30,9 @@ def test_the_contract_keys_parse_with_defaults():
     # inside an engine the poller never spins past an empty poll (docs/benchmarks.md)
     assert (s.poll_hot_window, s.idle_poll) == (0.0, 0.0005)
     assert ConnectorSettings.parse({**BASE, "poll_hot_window": 0.002}).poll_hot_window == 0.002
+    # the store's pages are touched at start: no publish pays first-touch faults
+    assert s.prefault_snapshots is True
+    assert ConnectorSettings.parse({**BASE, "prefault_snapshots": False}).prefault_snapshots is False
 
 
 @pytest.mark.parametrize("extra,words", [
@@ -54,6 +57,7 @@ def test_the_contract_keys_parse_with_defaults():
     ({**BASE, "stats_file": 3}, "stats_file"),
     ({**BASE, "poll_hot_window": -1}, "poll_hot_window"),
     ({**BASE, "idle_poll": 0}, "idle_poll"),
+    ({**BASE, "prefault_snapshots": 1}, "prefault_snapshots"),
     ({**BASE, "rnak": 1}, "unknown"),
 ])
 def test_bad_settings_name_the_key(extra, words):

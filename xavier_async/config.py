@@ -118,6 +118,14 @@ class EndpointConfig:
     warm batches from its CPU tier. Both 0: no store, blocks are served from the engine's
     live slots (zero copy, and the engine must not reuse a slot it published).
 
+    ``snapshot_prefault``: touch every page of both tiers once at start (where they are
+    host memory: CPU caches, or the host tier of CPU caches), so that no publish pays
+    first-touch page faults. Measured on the 2-core machine: copying 4 MiB into untouched
+    DRAM took 1.34 ms, into touched DRAM 0.18 ms, and a vLLM step's publish of 8 blocks
+    paid that on every step until the store had been filled once. It costs one pass over
+    the tiers at start (about 0.3 s a GiB there) and commits their memory at once. Off by
+    default; the vLLM connector turns it on.
+
     ``direct_write_regions``: a serve from the store whose blocks lie in the store as at
     most this many contiguous regions of the device tier (one block over every layer is
     one region; the receive slab's layout is layer-major, so a batch of several blocks is
@@ -152,6 +160,7 @@ class EndpointConfig:
     small_round_trips: int | None = None
     snapshot_gpu_bytes: int = 256 * MiB
     snapshot_cpu_bytes: int | None = None
+    snapshot_prefault: bool = False
     direct_write_regions: int | None = None
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
@@ -169,6 +178,7 @@ class EndpointConfig:
         check_bool("stream_ordered_unpack", self.stream_ordered_unpack)
         check_bool("verify", self.verify)
         check_bool("map_eagerly", self.map_eagerly)
+        check_bool("snapshot_prefault", self.snapshot_prefault)
         check_bool("merge_loads", self.merge_loads)
         merge_small = sizes.small if self.merge_small_bytes is None else self.merge_small_bytes
         object.__setattr__(self, "merge_small_bytes", check_int(

@@ -92,8 +92,9 @@ class SnapshotStore:
     slabs. ``device_bytes``/``host_bytes``: the tiers' budgets (whole blocks fit)."""
 
     def __init__(self, layout: CacheLayout, rows: Mapping[LayerId, torch.Tensor],
-                 device_bytes: int, host_bytes: int) -> None:
+                 device_bytes: int, host_bytes: int, *, prefault: bool = False) -> None:
         self.layout = layout
+        self._prefault = prefault
         self._rows = rows
         self.offsets: dict[LayerId, int] = {}
         off = 0
@@ -118,8 +119,9 @@ class SnapshotStore:
         return self.index.device_slots + self.index.host_slots
 
     def allocate(self, device_runs: DeviceRuns | None) -> list[torch.Tensor]:
-        """Allocate both tiers (not zeroed: a slot is written before it is ever read);
-        returns them for the transport to register."""
+        """Allocate both tiers (not zeroed: a slot is written before it is ever read;
+        host memory is touched once here with ``prefault``); returns them for the
+        transport to register."""
         dev = self.layout.device
         n_dev, n_host, b = self.index.device_slots, self.index.host_slots, self.block_bytes
         try:
@@ -131,6 +133,10 @@ class SnapshotStore:
                                          pin_memory=dev.type == "cuda" and n_host > 0)
         except (RuntimeError, MemoryError) as exc:
             raise _no_memory("snapshot_cpu_bytes", n_host * b, "the host", exc) from exc
+        if self._prefault:
+            for pool in (self.device_pool, self.host_pool):
+                if pool.device.type == "cpu" and not pool.is_pinned():
+                    pool.zero_()   # first-touch faults here, not in a publish
         self.table = StoreTable(self.device_pool, self.host_pool, self.offsets, n_dev, b)
         self._runs = device_runs
         return [t for t in (self.device_pool, self.host_pool) if t.numel()]

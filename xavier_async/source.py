@@ -71,7 +71,7 @@ class Source:
         cfg = rt.config
         #: the snapshot store (None: blocks are served from the engine's live slots)
         self.store = (SnapshotStore(layout, rt.caches.rows, cfg.snapshot_gpu_bytes,
-                                    cfg.snapshot_cpu_bytes or 0)
+                                    cfg.snapshot_cpu_bytes or 0, prefault=cfg.snapshot_prefault)
                       if cfg.snapshot_gpu_bytes or cfg.snapshot_cpu_bytes else None)
         #: per send slab in use: the store slots its copy reads (leased until terminal)
         self._leased: dict[int, tuple[int, ...]] = {}

@@ -19,7 +19,7 @@ LOAD_MODES: Final = ("sync", "async")
 _KEYS: Final = frozenset({
     "rank", "listen", "peers", "secret", "verify", "load_mode", "snapshot_bytes",
     "host_snapshot_bytes", "connect_timeout", "load_timeout", "min_load_blocks", "stats_file",
-    "poll_hot_window", "idle_poll"})
+    "poll_hot_window", "idle_poll", "prefault_snapshots"})
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,10 @@ class ConnectorSettings:
     poll_hot_window: float = 0.0
     #: seconds the idle poller sleeps between polls (the latency a peer's request waits)
     idle_poll: float = 0.0005
+    #: touch the snapshot store's pages at start (``EndpointConfig.snapshot_prefault``):
+    #: a publish into untouched DRAM paid page faults every step (1.34 ms against 0.18 ms
+    #: for 4 MiB), until the store had been filled once
+    prefault_snapshots: bool = True
 
     @property
     def host(self) -> str:
@@ -106,9 +110,7 @@ class ConnectorSettings:
         secret = extra.get("secret")
         if secret is not None and (not isinstance(secret, str) or not secret):
             raise InvalidRequestError("XavierConnector: 'secret' must be a non-empty string")
-        verify = extra.get("verify", False)
-        if not isinstance(verify, bool):
-            raise InvalidRequestError(f"XavierConnector: 'verify' must be true or false, got {verify!r}")
+        verify = _flag("verify", extra.get("verify", False))
         mode = extra.get("load_mode", "sync")
         if mode not in LOAD_MODES:
             raise InvalidRequestError(f"XavierConnector: 'load_mode' must be one of {LOAD_MODES}, "
@@ -126,7 +128,8 @@ class ConnectorSettings:
                              extra.get("min_load_blocks", 1), minimum=1),
                    _path(extra.get("stats_file")),
                    _seconds("poll_hot_window", extra.get("poll_hot_window", 0.0), zero=True),
-                   _seconds("idle_poll", extra.get("idle_poll", 0.0005)))
+                   _seconds("idle_poll", extra.get("idle_poll", 0.0005)),
+                   _flag("prefault_snapshots", extra.get("prefault_snapshots", True)))
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -164,6 +167,12 @@ def _shift(address: str, by: int) -> str:
 def _path(value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
         raise InvalidRequestError(f"XavierConnector: 'stats_file' must be a path, got {value!r}")
+    return value
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"XavierConnector: '{key}' must be true or false, got {value!r}")
     return value
 
 
