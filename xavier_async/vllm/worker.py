@@ -63,7 +63,13 @@ class WorkerSide:
         self.stats: dict[str, float] = dict.fromkeys((
             "loads", "load_failures", "blocks_loaded", "bytes_loaded", "publishes",
             "blocks_published", "blocks_evicted", "blocks_skipped", "publish_seconds",
-            "load_seconds", "announces_received", "peers_joined", "peers_lost"), 0)
+            "load_seconds", "announces_received", "peers_joined", "peers_lost",
+            # time.monotonic() (system-wide on Linux: comparable between replicas of one
+            # host) of the last step end that published, the last announcement sent, and
+            # the last one received (the bench's announcement latency)
+            "last_publish_step_end", "last_announce_sent", "last_announce_received",
+            # seconds the steps waited for their sync loads (before the forward)
+            "sync_load_seconds"), 0)
         self.stats["rank"] = settings.rank
         self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
         self._portal: BlockingPortal | None = None
@@ -98,7 +104,8 @@ class WorkerSide:
     def _config(self) -> EndpointConfig:
         s = self.settings
         kw: dict[str, Any] = dict(snapshot_gpu_bytes=s.snapshot_bytes, verify=s.verify,
-                                  request_timeout=s.load_timeout)
+                                  request_timeout=s.load_timeout,
+                                  snapshot_prefault=s.prefault_snapshots)
         if s.host_snapshot_bytes is not None:
             kw["snapshot_cpu_bytes"] = s.host_snapshot_bytes
         return EndpointConfig(**kw)
@@ -186,15 +193,16 @@ class WorkerSide:
 
     def announced(self, peer: int, message: Announce) -> None:
         self.stats["announces_received"] += 1
+        self.stats["last_announce_received"] = time.monotonic()
         if message.replace:
             self._update({"op": "replace", "peer": peer, "keys": list(message.published)})
-            if message.evicted:
-                self._update({"op": "evicted", "peer": peer, "keys": list(message.evicted)})
-            return
         if message.evicted:
             self._update({"op": "evicted", "peer": peer, "keys": list(message.evicted)})
-        if message.published:
+        if message.published and not message.replace:
             self._update({"op": "published", "peer": peer, "keys": list(message.published)})
+        self._stats_dirty = True
+        if self.stats_file:   # tests and the bench read it while this replica is idle
+            self.write_stats()
 
     def _update(self, update: dict[str, Any]) -> None:
         from .feed import apply
@@ -218,7 +226,9 @@ class WorkerSide:
             if not spec.sync:
                 self._async[spec.req_id] = portal.start_task_soon(self._load_async, spec)
         if sync:
+            t0 = time.perf_counter()
             portal.call(self._load_all, sync)
+            self.stats["sync_load_seconds"] += time.perf_counter() - t0
         with self._lock:
             self._delayed.update(plan.delayed_frees)
 
@@ -270,6 +280,7 @@ class WorkerSide:
                 keys.append(key)
                 slots.append(slot)
         if keys:
+            self.stats["last_publish_step_end"] = time.monotonic()
             t0 = time.perf_counter()
             portal.call(self._publish, keys, slots)
             self.stats["publish_seconds"] += time.perf_counter() - t0
@@ -296,6 +307,7 @@ class WorkerSide:
     async def _announce(self, published: list[Any], evicted: list[Any]) -> None:
         if self._ep is not None and not self._ep.closed:
             await self._ep.announce(published, evicted)
+            self.stats["last_announce_sent"] = time.monotonic()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Async loads that ended since the last step (with their errors queued for
@@ -324,7 +336,7 @@ class WorkerSide:
         self._stats_dirty = False
         if not self.stats_file:
             return
-        tmp = f"{self.stats_file}.{os.getpid()}.tmp"
+        tmp = f"{self.stats_file}.{os.getpid()}.{threading.get_ident()}.tmp"
         with self._mirror_lock:
             held = {str(p): _digest(self.mirror.keys_of(p)) for p in self.mirror.peers}
             keys = len(self.mirror)
