@@ -185,6 +185,9 @@ def _bench(args: argparse.Namespace) -> int:
         prefixes = (128, 1024) if args.quick else vllm_ttft.PREFIXES
         res = vllm_ttft.run(prefixes=prefixes, reps=2 if args.quick else 3)
         print(vllm_ttft.table(res))
+        if args.plot is not None:
+            vllm_ttft.plot(res, args.plot)
+            print(f"wrote {args.plot}")
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(res, indent=2, default=str))

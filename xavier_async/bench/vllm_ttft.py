@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..testing.vllm_replica import (Replica, ReplicaSpec, make_model, xavier_config)
+from ..testing.vllm_replica import Replica, ReplicaSpec, make_model, xavier_config
 
 PREFIXES = (128, 256, 512, 1024, 2048, 4096)
 
@@ -36,77 +36,149 @@ def _ttft(replica: Replica, prompt: list[int]) -> tuple[float, list[int]]:
     return g.seconds, g.tokens[0]
 
 
-def xavier_rows(model: str, prefixes: Sequence[int], reps: int, mode: str = "sync") -> dict[str, Any]:
-    a = Replica(ReplicaSpec(model, "0", xavier_config(0, "127.0.0.1:7511", ["127.0.0.1:7512"])),
-                wait=False)
+def _ms(xs: Sequence[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))] * 1e3
+
+
+#: the 16-in-flight block: requests, their shared prefix length, tokens each decodes
+BATCH, BATCH_PREFIX, BATCH_TOKENS = 16, 1024, 16
+_STATS = {"disable_log_stats": False}   # vLLM fills RequestOutput.metrics (per-request TTFT)
+
+
+def _batch(replica: Replica, prompts: list[list[int]]) -> dict[str, Any]:
+    """16 prompts arriving together: TTFT p50/p95 (vLLM's per-request metric) and output
+    tokens/s over the call."""
+    g = replica.generate(prompts, BATCH_TOKENS)
+    ttfts = [t for t in g.ttfts if t is not None] or [g.seconds]
+    return {"ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p95_ms": _pct(ttfts, 0.95),
+            "tokens_per_s": sum(map(len, g.tokens)) / g.seconds, "wall_ms": g.seconds * 1e3,
+            "tokens": g.tokens}
+
+
+def xavier_rows(model: str, prefixes: Sequence[int], reps: int, mode: str = "sync",
+                batch: bool = True) -> dict[str, Any]:
+    """A (CPU 0) and B (CPU 1) with ``XavierConnector``; B loads in ``mode``."""
+    stats = f"/tmp/xavier-async-vllm-bench-{os.getpid()}-{{r}}-{{tp}}.json"
+    a = Replica(ReplicaSpec(model, "0", xavier_config(0, "127.0.0.1:7511", ["127.0.0.1:7512"],
+                                                       stats_file=stats.replace("{r}", "a")),
+                            llm_kwargs=_STATS), wait=False)
     b = Replica(ReplicaSpec(model, "1", xavier_config(1, "127.0.0.1:7512", ["127.0.0.1:7511"],
-                                                       load_mode=mode)), wait=False)
-    rows: dict[Any, Any] = {}
+                                                       load_mode=mode,
+                                                       stats_file=stats.replace("{r}", "b")),
+                            llm_kwargs=_STATS), wait=False)
+    rows: dict[Any, Any] = {"mode": mode}
     try:
         a.wait_ready(), b.wait_ready()
+        time.sleep(1.0)                                   # the replicas find each other
         rng = random.Random(1)
-        steps = [_ttft(b, _ids(rng, 2))[0] for _ in range(reps + 2)][2:]
-        rows["one_step_ms"] = statistics.median(steps) * 1e3
+        rows["one_step_ms"] = _ms([_ttft(b, _ids(rng, 2))[0] for _ in range(reps + 3)][3:])
+        lags: list[float] = []
         for n in prefixes:
-            rec, load, same = [], [], True
+            rec, load, hit, same = [], [], [], 0
             for _ in range(reps + 1):
                 prefix = _ids(rng, n)
-                t_rec, _ = _ttft(b, _ids(rng, n) + [7])
+                rec.append(_ttft(b, _ids(rng, n) + [7])[0])
                 a.generate([prefix + [5]], 1)
                 time.sleep(0.2)                           # the announcement reaches B
+                sa, sb = a.stats(), b.stats()
+                lags.append(sb["last_announce_received"] - sa["last_publish_step_end"])
                 t_load, tok = _ttft(b, prefix + [7])
-                same &= tok == a.generate([prefix + [7]], 1).tokens[0]
-                rec.append(t_rec)
                 load.append(t_load)
-            rows[n] = {"recompute_ms": statistics.median(rec[1:]) * 1e3,
-                       "xavier_ms": statistics.median(load[1:]) * 1e3, "tokens_equal": same}
+                hit.append(_ttft(b, prefix + [8])[0])     # B's own prefix cache: the floor
+                same += tok == a.generate([prefix + [7]], 1).tokens[0]
+            rows[n] = {"recompute_ms": _ms(rec[1:]), "xavier_ms": _ms(load[1:]),
+                       "local_hit_ms": _ms(hit[1:]), "tokens_equal": same, "tokens_of": reps + 1}
+        rows["announce_ms"] = {"p50": _pct(lags, 0.5), "max": max(lags) * 1e3, "n": len(lags)}
+        if batch:
+            fresh = [_ids(rng, BATCH_PREFIX) + [7] for _ in range(BATCH)]
+            rows["batch_recompute"] = _batch(b, fresh)
+            held = [_ids(rng, BATCH_PREFIX) for _ in range(BATCH)]
+            a.generate([p + [5] for p in held], 1)
+            time.sleep(0.3)
+            before = b.stats()
+            got = _batch(b, [p + [7] for p in held])
+            after = b.stats()
+            want = a.generate([p + [7] for p in held], BATCH_TOKENS).tokens
+            got["first_tokens_equal"] = sum(x[:1] == y[:1] for x, y in zip(got["tokens"], want))
+            got["loads"] = after["loads"] - before["loads"]
+            got["load_failures"] = after["load_failures"] - before["load_failures"]
+            rows["batch_xavier"] = got
+        sa, sb = a.stats(), b.stats()
+        rows["publish_ms_per_step"] = sa["publish_seconds"] / max(1, sa["publishes"]) * 1e3
+        rows["blocks_per_publish"] = sa["blocks_published"] / max(1, sa["publishes"])
+        rows["load_ms_per_load"] = sb["load_seconds"] / max(1, sb["loads"]) * 1e3
+        rows["stages_b"], rows["stages_a"] = sb.get("stages", {}), sa.get("stages", {})
     finally:
         a.close()
         b.close()
     return rows
 
 
-def _nixl_prefill(model: str, conn: Any) -> None:
+def plain_rows(model: str, prefixes: Sequence[int], reps: int) -> dict[str, Any]:
+    """B without a connector (A alive, with one): the no-hit overhead's reference."""
+    a = Replica(ReplicaSpec(model, "0", xavier_config(0, "127.0.0.1:7511", ["127.0.0.1:7512"]),
+                            llm_kwargs=_STATS), wait=False)
+    b = Replica(ReplicaSpec(model, "1", None, llm_kwargs=_STATS), wait=False)
+    rows: dict[Any, Any] = {}
+    try:
+        a.wait_ready(), b.wait_ready()
+        rng = random.Random(1)
+        rows["one_step_ms"] = _ms([_ttft(b, _ids(rng, 2))[0] for _ in range(reps + 3)][3:])
+        for n in prefixes:
+            rows[n] = {"recompute_ms": _ms([_ttft(b, _ids(rng, n) + [7])[0]
+                                           for _ in range(reps + 1)][1:])}
+    finally:
+        a.close()
+        b.close()
+    return rows
+
+
+def _nixl_llm(model: str, role: str, cpu: str, port: str) -> Any:
     os.setpgrp()
-    os.environ.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT="5600",
-                      VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE="1",
+    os.environ.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=port,
+                      VLLM_CPU_OMP_THREADS_BIND=cpu, VLLM_CPU_KVCACHE_SPACE="1",
                       VLLM_LOGGING_LEVEL="WARNING")
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-              max_model_len=8192, block_size=128, seed=0, enable_prefix_caching=False,
-              kv_transfer_config=dict(kv_connector="NixlConnector", kv_role="kv_producer",
-                                      kv_buffer_device="cpu",
-                                      kv_connector_extra_config={"num_threads": 1}))
+    from vllm import LLM
+    return LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+               max_model_len=8192, block_size=128, seed=0,
+               enable_prefix_caching=False, disable_log_stats=False,
+               kv_transfer_config=dict(kv_connector="NixlConnector", kv_role=role,
+                                       kv_buffer_device="cpu",
+                                       kv_connector_extra_config={"num_threads": 1}))
+
+
+def _nixl_prefill(model: str, conn: Any) -> None:
+    llm = _nixl_llm(model, "kv_producer", "0", "5600")
+    from vllm import SamplingParams
     conn.send("ready")
-    while (ids := conn.recv()) is not None:
-        sp = SamplingParams(max_tokens=1, detokenize=False,
+    while (prompts := conn.recv()) is not None:
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                             extra_args={"kv_transfer_params": {"do_remote_decode": True}})
-        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
-        conn.send((out.kv_transfer_params, list(out.outputs[0].token_ids)))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        conn.send([(o.kv_transfer_params, list(o.outputs[0].token_ids)) for o in outs])
 
 
 def _nixl_decode(model: str, conn: Any) -> None:
-    os.setpgrp()
-    os.environ.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT="5601",
-                      VLLM_CPU_OMP_THREADS_BIND="1", VLLM_CPU_KVCACHE_SPACE="1",
-                      VLLM_LOGGING_LEVEL="WARNING")
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-              max_model_len=8192, block_size=128, seed=0, enable_prefix_caching=False,
-              kv_transfer_config=dict(kv_connector="NixlConnector", kv_role="kv_consumer",
-                                      kv_buffer_device="cpu",
-                                      kv_connector_extra_config={"num_threads": 1}))
+    llm = _nixl_llm(model, "kv_consumer", "1", "5601")
+    from vllm import SamplingParams
     conn.send("ready")
     while (msg := conn.recv()) is not None:
-        ids, params = msg
-        sp = SamplingParams(max_tokens=1, detokenize=False,
-                            extra_args={"kv_transfer_params": params} if params else None)
+        prompts, params, max_tokens = msg
+        sps = [SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
+                              extra_args={"kv_transfer_params": p} if p else None) for p in params]
         t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
-        conn.send((time.perf_counter() - t0, list(out.outputs[0].token_ids)))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        ttfts = [getattr(o.metrics, "first_token_latency", None) for o in outs]
+        conn.send((wall, [list(o.outputs[0].token_ids) for o in outs], ttfts))
 
 
-def nixl_rows(model: str, prefixes: Sequence[int], reps: int) -> dict[str, Any]:
+def nixl_rows(model: str, prefixes: Sequence[int], reps: int, batch: bool = True) -> dict[str, Any]:
     """The anchor: vLLM's NixlConnector P/D on the same prompts' shapes and model."""
     ctx = mp.get_context("spawn")
     (pa, ca), (pb, cb) = ctx.Pipe(), ctx.Pipe()
@@ -115,27 +187,40 @@ def nixl_rows(model: str, prefixes: Sequence[int], reps: int) -> dict[str, Any]:
     for p in procs:
         p.start()
     rows: dict[Any, Any] = {}
+
+    def prefill(prompts: list[list[int]]) -> list[Any]:
+        pa.send(prompts)
+        got: list[Any] = pa.recv()
+        return got
+
+    def decode(prompts: list[list[int]], params: list[Any], max_tokens: int) -> Any:
+        pb.send((prompts, params, max_tokens))
+        return pb.recv()
+
     try:
         for conn in (pa, pb):
             if not conn.poll(300) or conn.recv() != "ready":
                 raise RuntimeError("a NixlConnector replica did not start")
         rng = random.Random(2)
-        steps = []
-        for _ in range(reps + 2):
-            pb.send((_ids(rng, 2), None))
-            steps.append(pb.recv()[0])
-        rows["one_step_ms"] = statistics.median(steps[2:]) * 1e3
+        rows["one_step_ms"] = _ms([decode([_ids(rng, 2)], [None], 1)[0]
+                                   for _ in range(reps + 3)][3:])
         for n in prefixes:
-            times, same = [], True
+            times, same = [], 0
             for _ in range(reps + 1):
                 prompt = _ids(rng, n + 1)
-                pa.send(prompt)
-                params, tok_a = pa.recv()
-                pb.send((prompt, params))
-                t, tok_b = pb.recv()
-                same &= tok_a == tok_b
+                [(params, tok_a)] = prefill([prompt])
+                t, [tok_b], _ = decode([prompt], [params], 1)
+                same += tok_a == tok_b
                 times.append(t)
-            rows[n] = {"nixl_ms": statistics.median(times[1:]) * 1e3, "tokens_equal": same}
+            rows[n] = {"nixl_ms": _ms(times[1:]), "tokens_equal": same, "tokens_of": reps + 1}
+        if batch:
+            prompts = [_ids(rng, BATCH_PREFIX) + [7] for _ in range(BATCH)]
+            pre = prefill(prompts)
+            wall, tokens, ttfts = decode(prompts, [p for p, _ in pre], BATCH_TOKENS)
+            ts = [t for t in ttfts if t is not None] or [wall]
+            rows["batch_nixl"] = {"ttft_p50_ms": _pct(ts, 0.5), "ttft_p95_ms": _pct(ts, 0.95),
+                                  "tokens_per_s": sum(map(len, tokens)) / wall, "wall_ms": wall * 1e3,
+                                  "first_tokens_equal": sum(t[:1] == a for t, (_, a) in zip(tokens, pre))}
     finally:
         for conn in (pa, pb):
             try:
@@ -154,30 +239,94 @@ def nixl_rows(model: str, prefixes: Sequence[int], reps: int) -> dict[str, Any]:
 
 
 def run(model_dir: str = "/tmp/xavier-async-vllm-model", prefixes: Sequence[int] = PREFIXES,
-        reps: int = 3, anchor: bool = True) -> dict[str, Any]:
-    """The section's figures (milliseconds), keyed by prefix length."""
+        reps: int = 3, anchor: bool = True, batch: bool = True) -> dict[str, Any]:
+    """The section's figures (milliseconds), keyed by prefix length: XavierConnector with
+    sync and async loads, B without a connector (the no-hit reference), NixlConnector."""
     model = make_model(model_dir)
     out: dict[str, Any] = {"prefixes": list(prefixes), "reps": reps,
-                           "xavier": xavier_rows(model, prefixes, reps)}
+                           "xavier": xavier_rows(model, prefixes, reps, "sync", batch),
+                           "xavier_async": xavier_rows(model, prefixes, reps, "async", batch),
+                           "plain": plain_rows(model, prefixes, reps)}
     if anchor:
-        out["nixl"] = nixl_rows(model, prefixes, reps)
+        out["nixl"] = nixl_rows(model, prefixes, reps, batch)
     return out
 
 
+def _f(x: Any, spec: str = ".1f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
 def table(result: dict[str, Any]) -> str:
-    """The section as a plain-text table."""
-    x, nx = result["xavier"], result.get("nixl", {})
-    lines = [f"B one step (2-token prompt, A alive): {x['one_step_ms']:.1f} ms "
-             f"(NixlConnector run: {nx.get('one_step_ms', float('nan')):.1f} ms)",
-             f"{'prefix':>7} {'recompute':>10} {'xavier':>8} {'nixl':>8} {'xavier/step':>12} "
-             f"{'xavier/nixl':>12} tokens"]
+    """The section as plain-text tables."""
+    x, xa, pl, nx = (result.get(k, {}) for k in ("xavier", "xavier_async", "plain", "nixl"))
+    step = x.get("one_step_ms", float("nan"))
+    lines = [f"B one step (2-token prompt, A alive): {_f(step)} ms with XavierConnector, "
+             f"{_f(pl.get('one_step_ms'))} ms without a connector, "
+             f"{_f(nx.get('one_step_ms'))} ms with NixlConnector",
+             f"{'prefix':>7} {'recompute':>10} {'no conn':>8} {'local hit':>10} {'xavier':>8} "
+             f"{'x-async':>8} {'nixl':>8} {'x/step':>7} {'x/hit':>6} {'x/nixl':>7}  tokens equal "
+             "(xavier, async, nixl)"]
     for n in result["prefixes"]:
-        r, a = x[n], nx.get(n, {})
-        nixl = a.get("nixl_ms", float("nan"))
-        lines.append(f"{n:>7} {r['recompute_ms']:>10.1f} {r['xavier_ms']:>8.1f} {nixl:>8.1f} "
-                     f"{r['xavier_ms'] / x['one_step_ms']:>12.2f} {r['xavier_ms'] / nixl:>12.2f} "
-                     f"{'equal' if r['tokens_equal'] and a.get('tokens_equal', True) else 'DIFFER'}")
+        r, ra, rp, rn = x.get(n, {}), xa.get(n, {}), pl.get(n, {}), nx.get(n, {})
+        xm, nm = r.get("xavier_ms", float("nan")), rn.get("nixl_ms", float("nan"))
+        eq = ", ".join(f"{d['tokens_equal']}/{d['tokens_of']}" if d else "-" for d in (r, ra, rn))
+        lines.append(f"{n:>7} {_f(r.get('recompute_ms')):>10} {_f(rp.get('recompute_ms')):>8} "
+                     f"{_f(r.get('local_hit_ms')):>10} {_f(xm):>8} {_f(ra.get('xavier_ms')):>8} "
+                     f"{_f(nm):>8} {xm / step:>7.2f} {xm / r.get('local_hit_ms', float('nan')):>6.2f} "
+                     f"{xm / nm:>7.2f}  {eq}")
+    batches = [("recompute", x.get("batch_recompute")), ("xavier (sync)", x.get("batch_xavier")),
+               ("xavier (async)", xa.get("batch_xavier")), ("nixl", nx.get("batch_nixl"))]
+    if any(b for _, b in batches):
+        base = (x.get("batch_recompute") or {}).get("tokens_per_s")
+        lines.append(f"{BATCH} requests at once, {BATCH_PREFIX}-token shared prefixes, "
+                     f"{BATCH_TOKENS} tokens each:")
+        lines.append(f"{'':>16} {'TTFT p50':>9} {'TTFT p95':>9} {'tok/s':>7} {'vs recompute':>13}")
+        for name, b in batches:
+            if b:
+                ratio = b["tokens_per_s"] / base if base else float("nan")
+                extra = (f"  first tokens equal {b['first_tokens_equal']}/{BATCH}"
+                         if "first_tokens_equal" in b else "")
+                if "load_failures" in b:
+                    extra += f", loads {b['loads']}, failures {b['load_failures']}"
+                lines.append(f"{name:>16} {b['ttft_p50_ms']:>9.1f} {b['ttft_p95_ms']:>9.1f} "
+                             f"{b['tokens_per_s']:>7.1f} {ratio:>13.2f}{extra}")
+    for name, d in (("sync", x), ("async", xa)):
+        if "announce_ms" in d:
+            an = d["announce_ms"]
+            lines.append(f"xavier ({name}): announcement, A's step end -> B's directory: p50 "
+                         f"{an['p50']:.1f} ms, max {an['max']:.1f} ms over {an['n']}; A's publish "
+                         f"{d['publish_ms_per_step']:.2f} ms a step ({d['blocks_per_publish']:.1f} "
+                         f"blocks); B's load {d['load_ms_per_load']:.2f} ms each")
     return "\n".join(lines)
 
 
-__all__ = ["run", "table", "xavier_rows", "nixl_rows", "PREFIXES"]
+def plot(result: dict[str, Any], path: Any) -> None:
+    """B's TTFT against the prefix length, one line per way (a PNG; needs matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ns = result["prefixes"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, field, label in (("xavier", "recompute_ms", "recompute"),
+                              ("xavier", "xavier_ms", "XavierConnector (sync)"),
+                              ("xavier_async", "xavier_ms", "XavierConnector (async)"),
+                              ("nixl", "nixl_ms", "NixlConnector"),
+                              ("xavier", "local_hit_ms", "B's own prefix cache")):
+        rows = result.get(key, {})
+        ys = [rows.get(n, {}).get(field) for n in ns]
+        if all(y is not None for y in ys):
+            ax.plot(ns, ys, marker="o", label=label)
+    if "one_step_ms" in result.get("xavier", {}):
+        ax.axhline(result["xavier"]["one_step_ms"], color="grey", ls=":", label="one engine step")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prefix tokens (B computes one more)")
+    ax.set_ylabel("B's TTFT, ms")
+    ax.set_title("vLLM on the CPU, 2 replicas, one core each")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["PREFIXES", "nixl_rows", "plain_rows", "plot", "run", "table", "xavier_rows"]
