@@ -664,3 +664,18 @@ def test_the_protocol_floor_runs_where_it_is_told_not_where_its_thread_was_pinne
     assert out["floor"]["small"]["bytes_ok"] and out["floor"]["small"]["gather"]["n"] == 5
     assert out["after"] == set(every[:1])
     assert out["source"] == every and out["loaded"]  # not the spawning thread's one CPU
+
+
+def test_bench_help_fits_a_screen_and_help_all_lists_every_experiment_flag(capsys):
+    from xavier_async.bench.cli import EXPERT_FLAGS
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    short = capsys.readouterr().out
+    assert len(short.splitlines()) <= 50
+    assert "--serving-" not in short and "--help-all" in short and "--vllm" in short
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help-all"])
+    full = capsys.readouterr().out
+    assert all(flag in full for flag in EXPERT_FLAGS)
+    # hidden from the help, still parsed
+    assert build_parser().parse_args(["bench", "--serving-trimmed", "--no-pin"]).serving_trimmed

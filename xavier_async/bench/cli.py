@@ -36,7 +36,33 @@ def _size(text: str) -> int:
 _positive = cli_int(1)
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: the bench's experiment flags (sizes, counts, the serving section's knobs): parsed
+#: always, listed only by ``xavier-async bench --help-all``
+EXPERT_FLAGS = ("--full", "--small", "--copies", "--loads", "--trace-batches", "--trace-large",
+                "--alloc-copies", "--alloc-loads", "--no-descriptors", "--no-protocol-floor",
+                "--no-load-timeline", "--seed", "--pin", "--no-pin", "--serving-topology",
+                "--serving-slabs", "--serving-merge-small", "--serving-small-trips",
+                "--serving-trimmed", "--reply-spin", "--serving-rounds", "--serving-host-profile")
+
+
+class _HelpAll(argparse.Action):
+    """``--help-all``: the bench's help with its experiment flags, then exit."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="also list the experiment flags (sizes, counts, the serving "
+                              "section's knobs) and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        full = build_parser(expert=True)
+        bench = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+        bench.choices["bench"].print_help()
+        parser.exit()
+
+
+def build_parser(expert: bool = False) -> argparse.ArgumentParser:
+    """The command line; ``expert``: list the bench's experiment flags in its help too
+    (they are parsed either way)."""
     p = argparse.ArgumentParser(prog="xavier-async", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="show NIXL's and UCX's own INFO logs (quiet by default)")
@@ -51,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "slots, hit rate per tier, staging and demotion, direct write vs "
                                    "gather on pool memory), and serving load (16 loads in flight, a "
                                    "loader and two sources, or two endpoints that both load and serve).")
+    b.add_argument("--help-all", action=_HelpAll)
     b.add_argument("--transport", choices=("nixl", "local"), default="nixl",
                    help="nixl: peer in a child process over real NIXL (default); local: in-process")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -140,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the four channel cases through xoscar's copy_to over NIXL (two "
                         "processes, same sizes and counts), side by side; needs "
                         "pip install 'xavier-async[xoscar]'")
+    if not expert:
+        for action in b._actions:
+            if any(o in EXPERT_FLAGS for o in action.option_strings):
+                action.help = argparse.SUPPRESS
+        b.usage = "xavier-async bench [options]"   # argparse cannot draw hidden group members
+        b.epilog = (f"{len(EXPERT_FLAGS)} experiment flags (sizes, counts, the serving section's "
+                    "knobs) are listed by --help-all; docs/benchmarks.md explains each.")
     from ..demo import add_arguments as demo_arguments
     d = sub.add_parser("demo", help="prefix sharing between replicas of a real model, each a "
                                     "batched serving engine (needs the demo extra: transformers)",
