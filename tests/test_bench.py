@@ -470,6 +470,8 @@ def test_memory_over_loads_and_the_descriptor_path_are_reported(report):
     ml = report["memory_loads"]
     assert ml["loads"] == 500 and ml["bytes_verified"]  # --quick caps 10,000 loads at 500
     assert ml["device_growth_bytes"] == 0               # DRAM: no device memory at all
+    # RSS is judged over a second window; the first (one-time growth) is reported apart
+    assert isinstance(ml["first_window_rss_growth_bytes"], int)
     for key in ("load_memory_python_bytes", "load_memory_device_bytes", "load_memory_rss_bytes"):
         assert report["targets"][key]["limit"] == 0
     d = report["descriptors"]

@@ -435,7 +435,9 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, list[list[str]], list[str]]]:
     ml = r.get("memory_loads")
     loads_note = "" if ml is None else (
         f"; over {ml['loads']} loads: Python objects retained {ml['python_retained_bytes']} B, "
-        f"RSS {ml['rss_growth_bytes']} B (peer {ml['peer_rss_growth_bytes']}), device "
+        f"RSS {ml['rss_growth_bytes']} B (peer {ml['peer_rss_growth_bytes']}; the window "
+        f"before, the process's one-time growth: {ml.get('first_window_rss_growth_bytes')} B, "
+        f"peer {ml.get('first_window_peer_rss_growth_bytes')}), device "
         f"{ml['device_growth_bytes']} B, bytes {'checked' if ml['bytes_verified'] else 'WRONG'}")
     tables = [
         (f"Floor ({fl['kind']}, per copy, us; full={o['full_bytes']} B, small={o['small_bytes']} B)",
