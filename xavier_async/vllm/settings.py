@@ -49,8 +49,9 @@ class ConnectorSettings:
     load_timeout: float = 5.0
     #: loads shorter than this many blocks are not worth a round trip (computed instead)
     min_load_blocks: int = 1
-    #: where each worker writes its stats as JSON after a step that changed them
-    #: (``{tp}`` is replaced by the TP rank); ``None``: nowhere
+    #: where each worker writes its stats as JSON after a step that changed them and
+    #: after each announcement it receives (``{tp}`` is replaced by the TP rank); for
+    #: tests and benchmarks; ``None``: nowhere
     stats_file: str | None = None
     #: seconds the endpoint's poller keeps spinning after a copy or a message (0: it
     #: never spins past an empty poll). Inside an engine every spin takes the GIL and the
