@@ -22,7 +22,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..testing.vllm_replica import Replica, ReplicaSpec, make_model, xavier_config
+from ..testing.vllm_replica import (
+    Replica,
+    ReplicaSpec,
+    first_token_latencies,
+    make_model,
+    xavier_config,
+)
 
 PREFIXES = (128, 256, 512, 1024, 2048, 4096)
 
@@ -50,14 +56,20 @@ BATCH, BATCH_PREFIX, BATCH_TOKENS = 16, 1024, 16
 _STATS = {"disable_log_stats": False}   # vLLM fills RequestOutput.metrics (per-request TTFT)
 
 
+def _batch_figures(ttfts: Sequence[float | None], tokens: list[list[int]], seconds: float
+                   ) -> dict[str, Any]:
+    """Requests that arrived together: TTFT p50/p95 (vLLM's per-request metric; the call's
+    wall time where vLLM gave none) and output tokens/s over the call."""
+    ts = [t for t in ttfts if t is not None] or [seconds]
+    return {"ttft_p50_ms": _pct(ts, 0.5), "ttft_p95_ms": _pct(ts, 0.95),
+            "tokens_per_s": sum(map(len, tokens)) / seconds, "wall_ms": seconds * 1e3,
+            "tokens": tokens}
+
+
 def _batch(replica: Replica, prompts: list[list[int]]) -> dict[str, Any]:
-    """16 prompts arriving together: TTFT p50/p95 (vLLM's per-request metric) and output
-    tokens/s over the call."""
+    """``prompts`` arriving together at ``replica``, each decoding ``BATCH_TOKENS``."""
     g = replica.generate(prompts, BATCH_TOKENS)
-    ttfts = [t for t in g.ttfts if t is not None] or [g.seconds]
-    return {"ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p95_ms": _pct(ttfts, 0.95),
-            "tokens_per_s": sum(map(len, g.tokens)) / g.seconds, "wall_ms": g.seconds * 1e3,
-            "tokens": g.tokens}
+    return _batch_figures(g.ttfts, g.tokens, g.seconds)
 
 
 def xavier_rows(model: str, prefixes: Sequence[int], reps: int, mode: str = "sync",
@@ -174,8 +186,7 @@ def _nixl_decode(model: str, conn: Any) -> None:
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         wall = time.perf_counter() - t0
-        ttfts = [getattr(o.metrics, "first_token_latency", None) for o in outs]
-        conn.send((wall, [list(o.outputs[0].token_ids) for o in outs], ttfts))
+        conn.send((wall, [list(o.outputs[0].token_ids) for o in outs], first_token_latencies(outs)))
 
 
 def nixl_rows(model: str, prefixes: Sequence[int], reps: int, batch: bool = True) -> dict[str, Any]:
@@ -217,10 +228,9 @@ def nixl_rows(model: str, prefixes: Sequence[int], reps: int, batch: bool = True
             prompts = [_ids(rng, BATCH_PREFIX) + [7] for _ in range(BATCH)]
             pre = prefill(prompts)
             wall, tokens, ttfts = decode(prompts, [p for p, _ in pre], BATCH_TOKENS)
-            ts = [t for t in ttfts if t is not None] or [wall]
-            rows["batch_nixl"] = {"ttft_p50_ms": _pct(ts, 0.5), "ttft_p95_ms": _pct(ts, 0.95),
-                                  "tokens_per_s": sum(map(len, tokens)) / wall, "wall_ms": wall * 1e3,
-                                  "first_tokens_equal": sum(t[:1] == a for t, (_, a) in zip(tokens, pre))}
+            got = _batch_figures(ttfts, tokens, wall)
+            got["first_tokens_equal"] = sum(t[:1] == a for t, (_, a) in zip(tokens, pre))
+            rows["batch_nixl"] = got
     finally:
         for conn in (pa, pb):
             try:

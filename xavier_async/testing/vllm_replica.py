@@ -90,10 +90,10 @@ def _child(spec: ReplicaSpec, conn: Any) -> None:
         outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         wall = time.perf_counter() - t0
         conn.send(("out", [list(o.outputs[0].token_ids) for o in outs],
-                   [o.num_cached_tokens or 0 for o in outs], wall, _ttfts(outs)))
+                   [o.num_cached_tokens or 0 for o in outs], wall, first_token_latencies(outs)))
 
 
-def _ttfts(outs: Any) -> list[float | None]:
+def first_token_latencies(outs: Any) -> list[float | None]:
     """Each request's time to first token from vLLM's own metrics (seconds), if given."""
     found: list[float | None] = []
     for o in outs:
@@ -196,4 +196,5 @@ class Replica:
         self.close()
 
 
-__all__ = ["make_model", "xavier_config", "ReplicaSpec", "Replica", "Generation", "MODEL_CONFIG"]
+__all__ = ["make_model", "xavier_config", "ReplicaSpec", "Replica", "Generation", "MODEL_CONFIG",
+           "first_token_latencies"]

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .._checks import check_int
+from .._checks import check_bool, check_int
 from ..errors import InvalidRequestError
 
 MiB: Final = 1 << 20
@@ -111,7 +111,7 @@ class ConnectorSettings:
         secret = extra.get("secret")
         if secret is not None and (not isinstance(secret, str) or not secret):
             raise InvalidRequestError("XavierConnector: 'secret' must be a non-empty string")
-        verify = _flag("verify", extra.get("verify", False))
+        verify = check_bool("kv_connector_extra_config['verify']", extra.get("verify", False))
         mode = extra.get("load_mode", "sync")
         if mode not in LOAD_MODES:
             raise InvalidRequestError(f"XavierConnector: 'load_mode' must be one of {LOAD_MODES}, "
@@ -130,7 +130,8 @@ class ConnectorSettings:
                    _path(extra.get("stats_file")),
                    _seconds("poll_hot_window", extra.get("poll_hot_window", 0.0), zero=True),
                    _seconds("idle_poll", extra.get("idle_poll", 0.0005)),
-                   _flag("prefault_snapshots", extra.get("prefault_snapshots", True)))
+                   check_bool("kv_connector_extra_config['prefault_snapshots']",
+                              extra.get("prefault_snapshots", True)))
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -168,12 +169,6 @@ def _shift(address: str, by: int) -> str:
 def _path(value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
         raise InvalidRequestError(f"XavierConnector: 'stats_file' must be a path, got {value!r}")
-    return value
-
-
-def _flag(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidRequestError(f"XavierConnector: '{key}' must be true or false, got {value!r}")
     return value
 
 

@@ -65,9 +65,9 @@ class WorkerSide:
             "blocks_published", "blocks_evicted", "blocks_skipped", "publish_seconds",
             "load_seconds", "announces_received", "peers_joined", "peers_lost",
             # time.monotonic() (system-wide on Linux: comparable between replicas of one
-            # host) of the last step end that published, the last announcement sent, and
-            # the last one received (the bench's announcement latency)
-            "last_publish_step_end", "last_announce_sent", "last_announce_received",
+            # host) of the last step end that published and of the last announcement
+            # received (the bench's announcement latency)
+            "last_publish_step_end", "last_announce_received",
             # seconds the steps waited for their sync loads (before the forward)
             "sync_load_seconds"), 0)
         self.stats["rank"] = settings.rank
@@ -307,7 +307,6 @@ class WorkerSide:
     async def _announce(self, published: list[Any], evicted: list[Any]) -> None:
         if self._ep is not None and not self._ep.closed:
             await self._ep.announce(published, evicted)
-            self.stats["last_announce_sent"] = time.monotonic()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Async loads that ended since the last step (with their errors queued for
