@@ -140,6 +140,14 @@ class EndpointConfig:
     (two runs), and the one-hash serve's ``pack`` + ``post_to_done`` fell to 0.71x of the
     live slots'. ``xavier-async bench --only-snapshot`` prints the rule for the machine it
     runs on (docs/benchmarks.md).
+
+    ``copy_threads`` / ``copy_thread_bytes``: a pack or unpack of host memory (CPU caches)
+    of at least ``copy_thread_bytes`` (default 1 MiB) runs on one of ``copy_threads``
+    threads of the endpoint (default 2; 0: every copy runs on the event loop), so that
+    small loads and serves go on while a large batch is copied (:mod:`xavier_async.copythreads`).
+    A request that needs such a pack is served from the serve queue, never inline from
+    the poller. The threads start on first use and are joined at close; a started copy
+    is always waited for to its end. Copies of GPU memory are kernels and never use them.
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -162,6 +170,8 @@ class EndpointConfig:
     snapshot_cpu_bytes: int | None = None
     snapshot_prefault: bool = False
     direct_write_regions: int | None = None
+    copy_threads: int = 2
+    copy_thread_bytes: int = 1 * MiB
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -197,6 +207,10 @@ class EndpointConfig:
             object.__setattr__(self, "direct_write_regions", check_int(
                 "direct_write_regions", self.direct_write_regions, minimum=0, maximum=4096))
         check_size("trim_align", self.trim_align)
+        object.__setattr__(self, "copy_threads", check_int("copy_threads", self.copy_threads,
+                                                           minimum=0, maximum=64))
+        object.__setattr__(self, "copy_thread_bytes", check_size("copy_thread_bytes",
+                                                                 self.copy_thread_bytes))
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         object.__setattr__(self, "reply_spin", check_number("reply_spin", self.reply_spin,
                                                             maximum=MAX_REPLY_SPIN))

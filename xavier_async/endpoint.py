@@ -195,6 +195,7 @@ class Endpoint:
             except Exception:
                 log.debug("stopping the tasks of a failed start failed", exc_info=True)
             rt.tasks = None
+            rt.copies.close()
             rt.life.fire(lifecycle.START_FAILED)
             self._closed.set()
             raise
@@ -242,6 +243,7 @@ class Endpoint:
                 self.metrics.memory_registrations = self.transport.memory_registrations
                 self._source.close()
             finally:
+                rt.copies.close()  # drained: no copy is running; joins the threads
                 rt.life.fire(lifecycle.CLOSED)
                 self._closed.set()
                 if rt.tasks is not None:

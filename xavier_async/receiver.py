@@ -37,7 +37,7 @@ from .errors import (EndpointClosedError, IntegrityError, InternalError, Invalid
 from .fairpool import Ticket
 from .layout import BlockKey, LayerId
 from .merging import MergedBatch, Moved
-from .packing import RunTable, SlabRows, unpack, unpack_runs
+from .packing import RunTable, SlabRows, run_host, unpack, unpack_runs
 from .peers import PeerTable
 from .planning import LoadRequest, PlannedBatch, Planner
 from .protocol import Error, Landed, PendingRequest, Probe, RequestTable, load_wire
@@ -468,7 +468,15 @@ class Receiver:
         # (the slots are being written whatever happens), so that other loads progress
         # while the device copies a large batch instead of the event loop blocking
         caches = self._rt.caches
-        event = unpack(self.slabs.rows[slab.index], batch, caches.table, caches.device_runs,
+        rows = self.slabs.rows[slab.index]
+        copies = self._rt.copies
+        if copies.wants(batch.nbytes) and caches.device_runs is None:
+            # a large host unpack: on a copy thread, so the loop serves small loads meanwhile
+            host = table if table is not None else unpack_runs(rows, batch, caches.table)
+            if host is not None:
+                await copies.run(run_host, host)
+                return
+        event = unpack(rows, batch, caches.table, caches.device_runs,
                        wait=False, table=table)
         if event is None:
             return

@@ -16,6 +16,7 @@ import anyio
 import torch
 
 from .config import EndpointConfig
+from .copythreads import CopyThreads
 from .errors import EndpointClosedError
 from .layout import CacheLayout, LayerId
 from .lifecycle import Lifecycle
@@ -69,11 +70,12 @@ class Caches:
 
 class Runtime:
     """One endpoint's shared state: ``rank``, ``config``, ``transport``, ``metrics``,
-    ``caches``, ``life`` (its :class:`~xavier_async.lifecycle.Lifecycle`) and ``tasks``
-    (its guarded task group, from start on)."""
+    ``caches``, ``life`` (its :class:`~xavier_async.lifecycle.Lifecycle`), ``tasks``
+    (its guarded task group, from start on) and ``copies`` (its copy threads; none for
+    caches on a GPU)."""
 
     __slots__ = ("rank", "config", "transport", "metrics", "stages", "caches", "life", "tasks",
-                 "inflight", "_idle", "_pid", "_forks")
+                 "copies", "inflight", "_idle", "_pid", "_forks")
 
     def __init__(self, rank: int, config: EndpointConfig, transport: Transport, caches: Caches) -> None:
         self.rank = rank
@@ -84,6 +86,8 @@ class Runtime:
         self.caches = caches
         self.life = Lifecycle()
         self.tasks: Tasks | None = None
+        host = caches.layout.device.type == "cpu"
+        self.copies = CopyThreads(config.copy_threads if host else 0, config.copy_thread_bytes)
         #: loads and copies in flight (close waits for them)
         self.inflight = 0
         self._idle: anyio.Event | None = None

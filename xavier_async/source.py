@@ -13,11 +13,13 @@ terminal.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from time import perf_counter_ns
+from typing import Any
 
 import anyio
 import torch
@@ -43,6 +45,10 @@ log = logging.getLogger("xavier_async")
 
 #: what waits in the serve queue: (peer, the parsed request, when it arrived)
 Queued = tuple[int, ParsedLoad, int]
+#: a direct write's regions: (address in the store, offset in the peer's slab, bytes)
+Regions = tuple[tuple[int, int, int], ...]
+#: a send slab packed off the loop: the store's tier counts and a direct write's regions
+Packed = tuple[tuple[int, int], Regions]
 
 
 class Source:
@@ -223,7 +229,8 @@ class Source:
         if isinstance(parsed, Refuse):
             self._spawn_reply(peer, parsed.req_id, parsed.error)
             return
-        if inline and rt.life.open and not self._queued and self._inbox is not None:
+        if (inline and rt.life.open and not self._queued and self._inbox is not None
+                and not self._off_loop(parsed)):
             ch = self._peers.connected(peer)
             send = self.pool.try_acquire(parsed.payload > self._small)
             if ch is not None and send is not None:
@@ -255,34 +262,66 @@ class Source:
         self._rt.stages.lookup.record(perf_counter_ns() - t)
         return d
 
-    def _post(self, ch: PeerChannel, ready: Ready, send: int) -> tuple[CopyPlan, object | None, int]:
-        """Commit the machine, pack send slab ``send`` (one pass; on CUDA one launch whose
-        event is waited for, not the device), post the copy. Returns the plan, the
-        transport's pending token (None: already DONE) and when it was posted."""
+    def _prepare(self, ready: Ready, send: int) -> tuple[tuple[int, int], Regions, Callable[[], Any] | None]:
+        """Choose how ``ready`` reaches the peer through send slab ``send``: returns the
+        store's tier counts, the regions of a direct write (empty: gathered) and the copy
+        that gathers it into the slab (None for a direct write; it returns a CUDA event
+        to wait on, or None). With a store, its slots are leased until the copy is
+        terminal (released with the send slab)."""
         load = ready.load
-        stages, caches, store = self._rt.stages, self._rt.caches, self.store
+        caches, store = self._rt.caches, self.store
+        if store is None:
+            return (0, 0), (), functools.partial(pack, self._rows[send], load.segments, ready.slot_lists,
+                                                 caches.table, caches.device_runs)
+        rows = self._rows[send]
+        self._leased[send], tiers, table = store.serve(rows.ptr, load.segment_items(),
+                                                       ready.slot_lists, load.block)
+        if (self._direct and not load.verify and len(table[2]) <= self._direct_max
+                and store.writable_directly(table)):
+            # few regions: written straight from the store, nothing gathered
+            return tiers, tuple((int(s), int(d) - rows.ptr, int(n)) for d, s, n in zip(*table)), None
+        return tiers, (), functools.partial(store.run, table, self.slabs[send].tensor)
+
+    def _off_loop(self, load: ParsedLoad) -> bool:
+        """Whether serving ``load`` packs on a copy thread (a large host gather)."""
+        return self._rt.copies.wants(load.payload)
+
+    async def _pack_off_loop(self, ch: PeerChannel, ready: Ready, send: int) -> Packed:
+        """Pack send slab ``send`` on a copy thread (shielded: a started copy is waited
+        for), before the machine commits: the loop serves other requests meanwhile."""
+        t_pack = perf_counter_ns()
+        try:
+            tiers, regions, copy = self._prepare(ready, send)
+            if copy is not None:
+                await self._rt.copies.run(copy)
+        except XavierError:
+            raise
+        except Exception as exc:
+            ch.metrics.failures += 1
+            raise TransferError(f"packing a batch for rank {ch.peer} failed: {exc!r}") from exc
+        self._rt.stages.pack.record(perf_counter_ns() - t_pack)
+        return tiers, regions
+
+    def _post(self, ch: PeerChannel, ready: Ready, send: int,
+              packed: Packed | None = None) -> tuple[CopyPlan, object | None, int]:
+        """Commit the machine, pack send slab ``send`` (one pass; on CUDA one launch whose
+        event is waited for, not the device; ``packed``: already packed, off the loop),
+        post the copy. Returns the plan, the transport's pending token (None: already
+        DONE) and when it was posted."""
+        load = ready.load
+        stages = self._rt.stages
         plan = ch.commit(load.payload, ready.view, load.useful, load.slab, send)
         t_pack = perf_counter_ns()
-        tiers = (0, 0)
-        regions: tuple[tuple[int, int, int], ...] = ()
         try:
-            if store is None:
-                event = pack(self._rows[send], load.segments, ready.slot_lists, caches.table,
-                             caches.device_runs)
-            else:  # from the store's tiers; its slots are leased until the copy is terminal
-                rows = self._rows[send]
-                self._leased[send], tiers, table = store.serve(rows.ptr, load.segment_items(),
-                                                               ready.slot_lists, load.block)
-                if (self._direct and not load.verify and len(table[2]) <= self._direct_max
-                        and store.writable_directly(table)):
-                    # few regions: written straight from the store, nothing gathered
-                    regions = tuple((int(s), int(d) - rows.ptr, int(n)) for d, s, n in zip(*table))
-                    plan = replace(plan, wire_bytes=sum(n for _, _, n in regions))
-                    event = None
-                else:
-                    event = store.run(table, self.slabs[send].tensor)
-            if event is not None:  # NIXL does not order against CUDA streams
-                event.synchronize()
+            if packed is None:
+                tiers, regions, copy = self._prepare(ready, send)
+                event = copy() if copy is not None else None
+                if event is not None:  # NIXL does not order against CUDA streams
+                    event.synchronize()
+            else:
+                tiers, regions = packed
+            if regions:
+                plan = replace(plan, wire_bytes=sum(n for _, _, n in regions))
             digest = (payload_digest(self.slabs[send].tensor, load.payload)
                       if load.verify else None)
         except Exception as exc:  # the machine advanced but nothing was posted: start over
@@ -290,7 +329,8 @@ class Source:
             ch.reset_now()
             raise TransferError(f"packing a batch for rank {ch.peer} failed: {exc!r}") from exc
         posted = perf_counter_ns()
-        stages.pack.record(posted - t_pack)
+        if packed is None:
+            stages.pack.record(posted - t_pack)
         landed = Landed(load.req_id, plan.wire_bytes, digest, plan.slab, tiers).to_wire()
         if regions:
             self.direct_writes += 1
@@ -388,15 +428,16 @@ class Source:
                     raise first.error
                 send = await ticket.take()
                 rt.stages.queue.record(perf_counter_ns() - arrived)
+                packed: Packed | None = None
                 while True:
-                    d = self._decide(ch, load, send)
-                    if isinstance(d, Refuse):
-                        raise d.error
-                    if not isinstance(d, NeedsMapping):
+                    d = await self._ready(ch, peer, load, send)
+                    if packed is not None or not self._off_loop(load):
                         break
-                    await ch.mapping(d.view, d.slab, send)
-                    if self._peers.connected(peer) is not ch:  # the peer left (or restarted)
-                        raise PeerLostError(f"rank {peer} went away before its copy")
+                    # a large host pack: on a copy thread, before the machine commits
+                    # (decided again after it); requests behind it are served meanwhile
+                    queued = False
+                    self._queued -= 1
+                    packed = await self._pack_off_loop(ch, d, send)
                 # re-check right before posting (we may have waited): the requester
                 # must still be connected on this channel and at this request's epoch
                 if self._peers.connected(peer) is not ch or not rt.life.open:
@@ -404,10 +445,11 @@ class Source:
                 stale = check_epoch(load.req_id, load.epoch, self._peers.min_epoch(peer))
                 if stale is not None:
                     raise stale.error
-                queued = False
-                self._queued -= 1  # committed below, with nothing awaited before
+                if queued:
+                    queued = False
+                    self._queued -= 1  # committed below, with nothing awaited before
                 try:
-                    plan, pending, posted = self._post(ch, d, send)
+                    plan, pending, posted = self._post(ch, d, send, packed)
                 except TransferError:
                     await ch.forget()
                     raise
@@ -427,6 +469,19 @@ class Source:
             else:
                 ticket.cancel()  # leave the line (or give back a slab granted meanwhile)
             rt.leave_work()
+
+    async def _ready(self, ch: PeerChannel, peer: int, load: ParsedLoad, send: int) -> Ready:
+        """Decide ``load`` for send slab ``send``, mapping the view it needs first (the
+        decision is only valid until something is awaited)."""
+        while True:
+            d = self._decide(ch, load, send)
+            if isinstance(d, Refuse):
+                raise d.error
+            if not isinstance(d, NeedsMapping):
+                return d
+            await ch.mapping(d.view, d.slab, send)
+            if self._peers.connected(peer) is not ch:  # the peer left (or restarted)
+                raise PeerLostError(f"rank {peer} went away before its copy")
 
     # -- a seam for the benchmark's bare copies ------------------------------------------
     @asynccontextmanager

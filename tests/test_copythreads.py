@@ -1,0 +1,87 @@
+"""The endpoint's copy threads: large host copies run off the event loop, a started copy
+is waited for through cancellation, close joins the threads."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+import torch
+
+from xavier_async.config import EndpointConfig
+from xavier_async.copythreads import CopyThreads
+from xavier_async.errors import EndpointClosedError, InvalidRequestError
+from xavier_async.packing import run_host
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def test_a_copy_runs_on_a_thread_and_moves_the_bytes() -> None:
+    src = torch.arange(3 << 18, dtype=torch.int32).view(torch.uint8)  # 3 MiB
+    dst = torch.zeros_like(src)
+    copies = CopyThreads(2, 1 << 20)
+    assert copies.wants(src.numel()) and not copies.wants((1 << 20) - 1)
+    loop_thread = threading.get_ident()
+    ran_on: list[int] = []
+
+    def copy() -> None:
+        ran_on.append(threading.get_ident())
+        n = src.numel() // 2
+        run_host(([dst.data_ptr(), dst.data_ptr() + n], [src.data_ptr(), src.data_ptr() + n], [n, n]))
+
+    await copies.run(copy)
+    assert ran_on and ran_on[0] != loop_thread
+    assert torch.equal(dst, src)
+    assert copies.copies == 1
+    copies.close()
+    copies.close()  # idempotent
+    assert not copies.wants(src.numel())
+    with pytest.raises(EndpointClosedError):
+        await copies.run(copy)
+
+
+async def test_a_started_copy_is_waited_for_through_cancellation() -> None:
+    copies = CopyThreads(1, 1)
+    started, release = threading.Event(), threading.Event()
+    finished: list[bool] = []
+
+    def slow() -> None:
+        started.set()
+        release.wait(5)
+        finished.append(True)
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(copies.run, slow)
+            await anyio.to_thread.run_sync(started.wait, 5)
+            scope.cancel()  # the copy is running: its wait is shielded
+            await anyio.sleep(0.05)
+            assert not finished
+            release.set()
+    assert scope.cancelled_caught and finished == [True]
+    copies.close()
+
+
+async def test_a_failing_copy_raises_its_error() -> None:
+    copies = CopyThreads(1, 1)
+
+    def boom() -> None:
+        raise ValueError("bad run")
+
+    with pytest.raises(ValueError, match="bad run"):
+        await copies.run(boom)
+    copies.close()
+
+
+def test_settings_are_checked() -> None:
+    assert EndpointConfig().copy_threads == 2 and EndpointConfig().copy_thread_bytes == 1 << 20
+    with pytest.raises(InvalidRequestError, match="copy_threads"):
+        EndpointConfig(copy_threads=-1)
+    with pytest.raises(InvalidRequestError, match="copy_thread_bytes"):
+        EndpointConfig(copy_thread_bytes=0)
