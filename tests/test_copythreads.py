@@ -85,3 +85,29 @@ def test_settings_are_checked() -> None:
         EndpointConfig(copy_threads=-1)
     with pytest.raises(InvalidRequestError, match="copy_thread_bytes"):
         EndpointConfig(copy_thread_bytes=0)
+
+
+@pytest.mark.parametrize("threads", [2, 0])
+async def test_an_endpoints_large_loads_are_copied_on_its_threads(threads: int) -> None:
+    """A batch of at least ``copy_thread_bytes`` is packed and unpacked on the copy
+    threads of both endpoints, with the right bytes; a smaller one, and every batch with
+    ``copy_threads=0``, is copied on the loop."""
+    from dataclasses import replace
+
+    from .conftest import SMALL_CFG, assert_same_bytes, cluster, random_cache
+
+    cfg = replace(SMALL_CFG, copy_threads=threads, copy_thread_bytes=8 * 1024)
+    src = {0: random_cache(16, (256,), torch.float32, seed=3)}  # 1 KiB blocks
+    dst = {0: random_cache(16, (256,), torch.float32, seed=4)}
+    async with cluster([dst, src], cfg) as (a, b):
+        for s in range(16):
+            b.publish(f"k{s}", s)
+        await a.load({1: {0: {"k0": 15}}})  # 1 KiB: on the loop
+        assert a._rt.copies.copies == b._rt.copies.copies == 0
+        await a.load({1: {0: {f"k{s}": s for s in range(1, 13)}}})  # 12 KiB
+        expected = 1 if threads else 0
+        assert a._rt.copies.copies == b._rt.copies.copies == expected
+    assert_same_bytes(dst[0][15], src[0][0])
+    for s in range(1, 13):
+        assert_same_bytes(dst[0][s], src[0][s])
+    assert a._rt.copies._pool is None  # joined at close

@@ -29,7 +29,7 @@ from .retry import RetryPolicy
 from .shielded import wait_terminal
 from .sizes import SMALL, View
 from .slabs import Slab
-from .transports.base import Transport
+from .transports.base import Regions, Transport
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +138,7 @@ class PeerChannel:
             self._account(plan)
         return pending
 
-    def post_regions(self, plan: CopyPlan, regions: tuple[tuple[int, int, int], ...],
+    def post_regions(self, plan: CopyPlan, regions: Regions,
                      notify: bytes | None) -> object | None:
         """Start a WRITE straight from a registered pool (the snapshot store) into the
         plan's receive slab: ``regions`` of ``(address, offset in the slab, bytes)``; the

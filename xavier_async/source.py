@@ -40,13 +40,12 @@ from .protocol import BlockLoad, Error, Landed, Load, Probe
 from .runtime import Runtime
 from .slabs import Slab, payload_digest
 from .snapshots import PublishResult, SnapshotStore
+from .transports.base import Regions
 
 log = logging.getLogger("xavier_async")
 
 #: what waits in the serve queue: (peer, the parsed request, when it arrived)
 Queued = tuple[int, ParsedLoad, int]
-#: a direct write's regions: (address in the store, offset in the peer's slab, bytes)
-Regions = tuple[tuple[int, int, int], ...]
 #: a send slab packed off the loop: the store's tier counts and a direct write's regions
 Packed = tuple[tuple[int, int], Regions]
 

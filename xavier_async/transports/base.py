@@ -19,6 +19,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
+#: regions of one direct write: (address in a registered pool, offset in the peer's
+#: receive slab, bytes)
+Regions = tuple[tuple[int, int, int], ...]
+
 if TYPE_CHECKING:
     import torch
 
@@ -153,7 +157,7 @@ class Transport(abc.ABC):
         token for :meth:`wait`. ``notify`` reaches the peer's :meth:`TransportHost.deliver`
         after the bytes have landed. Raises :class:`TransferError` on failure."""
 
-    def post_regions(self, peer: int, regions: tuple[tuple[int, int, int], ...], slab: int,
+    def post_regions(self, peer: int, regions: Regions, slab: int,
                      notify: bytes | None) -> object | None:
         """Start one WRITE of several regions straight from memory registered with
         :meth:`add_pool`: each ``(local address, offset in the peer's receive slab

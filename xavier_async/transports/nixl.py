@@ -42,11 +42,11 @@ from ..errors import (EndpointClosedError, HandshakeError, InternalError, Invali
                       PeerLostError, UnknownPeerError)
 from .addresses import check_host, parse_address
 from .admission import INSECURE_ENV, SECRET_ENV, Admission, resolve_secret
-from .base import TaskSpawner, Transport
+from .base import Regions, TaskSpawner, Transport
 from .handshake import FrameStream
 from .liveness import Liveness
 from .nixl_agent import AgentFactory, NixlAgent, nixl_agent_factory, nixl_version
-from .nixl_copies import Copies, Regions, _Mapping
+from .nixl_copies import Copies, _Mapping
 from .nixl_memory import XT, Memory
 from .peering import Peering
 

@@ -29,15 +29,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from ..errors import InternalError, InvalidRequestError, PeerLostError, TransferError
+from .base import Regions
 
 if TYPE_CHECKING:
     from .nixl_agent import NixlAgent
 
 log = logging.getLogger("xavier_async.nixl")
 
-#: regions of one direct write: (address in a registered pool, offset in the peer's
-#: receive slab, bytes)
-Regions = tuple[tuple[int, int, int], ...]
 
 
 class _Mapping:
