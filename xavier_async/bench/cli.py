@@ -36,13 +36,18 @@ def _size(text: str) -> int:
 _positive = cli_int(1)
 
 
+def _size_or_zero(text: str) -> int:
+    """A size as :func:`_size`, or ``0``."""
+    return 0 if text.strip() == "0" else _size(text)
+
+
 #: the bench's experiment flags (sizes, counts, the serving section's knobs): parsed
 #: always, listed only by ``xavier-async bench --help-all``
 EXPERT_FLAGS = ("--full", "--small", "--copies", "--loads", "--trace-batches", "--trace-large",
                 "--alloc-copies", "--alloc-loads", "--no-descriptors", "--no-protocol-floor",
                 "--no-load-timeline", "--seed", "--pin", "--no-pin", "--serving-topology",
                 "--serving-slabs", "--serving-merge-small", "--serving-small-trips",
-                "--serving-trimmed", "--reply-spin", "--serving-rounds", "--serving-host-profile")
+                "--serving-trimmed", "--serving-piece-bytes", "--reply-spin", "--serving-rounds", "--serving-host-profile")
 
 
 class _HelpAll(argparse.Action):
@@ -146,6 +151,10 @@ def build_parser(expert: bool = False) -> argparse.ArgumentParser:
     b.add_argument("--serving-trimmed", action="store_true",
                    help="the serving section's endpoints (every run) copy only the payload "
                         "(EndpointConfig.trimmed) instead of the whole view")
+    b.add_argument("--serving-piece-bytes", type=_size_or_zero, metavar="SIZE", default=None,
+                   help="NixlTransport(piece_bytes=...) of the serving section's endpoints (a "
+                        "larger host copy is posted in pieces of this size; 0: whole); "
+                        "default: the transport's default (0)")
     b.add_argument("--reply-spin", type=float, metavar="SECONDS", default=None,
                    help="EndpointConfig.reply_spin of the load rows' endpoints (how long a lone "
                         "small load polls for its reply itself; 0: never); default: the "
@@ -261,6 +270,7 @@ def _bench(args: argparse.Namespace) -> int:
                             serving_slabs=args.serving_slabs,
                             serving_merge_small=args.serving_merge_small,
                             serving_trimmed=args.serving_trimmed,
+                            serving_piece_bytes=args.serving_piece_bytes,
                             reply_spin=args.reply_spin,
                             serving_host_profile=args.serving_host_profile,
                             serving_rounds=args.serving_rounds,

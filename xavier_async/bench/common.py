@@ -76,6 +76,9 @@ class BenchOptions:
     serving_small_trips: int | None = None
     #: the serving section's endpoints (every run) copy only the payload (``trimmed``)
     serving_trimmed: bool = False
+    #: ``NixlTransport(piece_bytes=...)`` of every serving endpoint (None: its default;
+    #: 0: every copy posted whole)
+    serving_piece_bytes: int | None = None
     #: ``EndpointConfig.reply_spin`` of the load rows' endpoints (None: the engine's default)
     reply_spin: float | None = None
     #: count each serving process's host time per callback and engine function, per phase
@@ -103,6 +106,10 @@ class BenchOptions:
                                                      or not 1 <= self.serving_small_trips <= 1024):
             raise ValueError("serving_small_trips must be an int from 1 to 1024, got "
                              f"{self.serving_small_trips!r}")
+        if self.serving_piece_bytes is not None and (type(self.serving_piece_bytes) is not int
+                                                     or self.serving_piece_bytes < 0):
+            raise ValueError("serving_piece_bytes must be an int >= 0, got "
+                             f"{self.serving_piece_bytes!r}")
         if self.reply_spin is not None:  # (InvalidRequestError is a ValueError)
             check_number("reply_spin", self.reply_spin, maximum=MAX_REPLY_SPIN)
         if type(self.serving_rounds) is not int or not 1 <= self.serving_rounds <= 100:

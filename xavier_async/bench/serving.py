@@ -55,6 +55,7 @@ import anyio
 import torch
 
 from ..endpoint import Endpoint, EndpointConfig
+from ..slabs import MiB
 from ..stages import LoadStages
 from ..testing.devices import peer_device
 from ..testing.hostprof import ENV as HOST_PROFILE_ENV
@@ -120,6 +121,11 @@ def endpoint_base(o: BenchOptions, merge: bool) -> dict[str, Any]:
     if merge and o.serving_small_trips is not None:
         base["small_round_trips"] = o.serving_small_trips
     return base
+
+
+def transport_kwargs(o: BenchOptions) -> dict[str, Any]:
+    """The NixlTransport keyword arguments of every serving endpoint (``--serving-piece-bytes``)."""
+    return {} if o.serving_piece_bytes is None else {"piece_bytes": o.serving_piece_bytes}
 
 
 def slab_counts(cfg: EndpointConfig) -> dict[str, Any]:
@@ -346,8 +352,10 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
     ranks, dest_base = ((1,), published) if duplex else (SOURCES, 0)
     layout = replace(src_layout, num_slots=dest_base + dest)
     profile = HostProfile() if o.serving_host_profile else None
+    transport = transport_kwargs(o)
     specs = [PeerSpec(rank=r, layout=layout if duplex else src_layout, seed=o.seed,
                       device=peer_device(1, device).device, config=config_kwargs(k, merge, **base),
+                      transport=transport,
                       env={HOST_PROFILE_ENV: "1"} if profile is not None else None,
                       hello_extras={RAW_COPIES: True}, torch_threads=None if cuda else 1,
                       published=published if duplex else None) for r in ranks]
@@ -357,7 +365,7 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
     from ..transports.nixl import NixlTransport
     # (the profile is installed before this process's NIXL agent is made: its calls count)
     async with installed(profile), sources(specs) as peers:
-        async with Endpoint(0, caches, NixlTransport(), cfg) as ep:
+        async with Endpoint(0, caches, NixlTransport(**transport), cfg) as ep:
             if duplex:
                 for slot in range(published):
                     ep.publish(slot, slot)
@@ -434,7 +442,9 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
             mine["open_loop"], _ = await ph.run(phases["mixed"], CONCURRENCY, rate=rate)
             regs1, mem1 = await registrations(), rss()
     full_rate = o.full_bytes / (floor["median_us"] * 1e-6)
+    from ..transports.nixl_copies import PIECE_BYTES
     out = {**slab_counts(cfg), "topology": "duplex" if duplex else "three",
+           "piece_bytes": transport.get("piece_bytes", PIECE_BYTES),
            "raw_full_copy": {**floor, "gbps": full_rate / 1e9},
            **side_figures(phases, mine, src_layout)}
     ls = out["large_stream"]
@@ -680,6 +690,9 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
              + (f"; merged groups of small batches up to {d['merge_small_bytes'] // 1024} KiB"
                 if d.get("merge_small_bytes", s.get("small_bytes")) != s.get("small_bytes") else "")
              + ("; trimmed copies" if d.get("trimmed") else "")
+             + ("; host copies posted whole" if d.get("piece_bytes") == 0 else
+                f"; host copies over {d['piece_bytes'] / MiB:g} MiB posted in pieces"
+                if d.get("piece_bytes") else "")
              + (f"; at most {d['small_round_trips']} small round trips per source"
                 if d.get("small_round_trips") else "")
              + (f"; the median of {s['rounds']} alternating rounds" if s.get("rounds", 1) > 1 else ""))

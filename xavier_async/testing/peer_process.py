@@ -313,9 +313,9 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
             async def transport_stats(_: Any) -> dict[str, Any]:
                 """The NIXL transport's own counts: ``stalls_seen``, the stalls its poll
                 loop noticed (each followed by a sweep of the peers' streams; 0 with
-                ``stall_check=0``)."""
+                ``stall_check=0``); ``pieces``: (copies posted in pieces, pieces posted)."""
                 inner = getattr(transport, "inner", transport)  # under a FaultyTransport
-                return {"stalls_seen": inner.stalls_seen}
+                return {"stalls_seen": inner.stalls_seen, "pieces": list(inner.pieces)}
 
             # the requests of the last replay, checked (then their slots zeroed) by check_replay
             replayed: list[Any] = []

@@ -7,7 +7,10 @@
   in a per-peer LRU (``peer.direct``) keyed by its regions.
 * Posting: :meth:`Copies.start` posts a handle and spins briefly (``spin``); a copy not
   terminal by then is *in flight* (``in_flight``) and returns a :class:`_Pending` that
-  :meth:`Copies.wait` polls to a terminal state or ``write_timeout``.
+  :meth:`Copies.wait` polls to a terminal state or ``write_timeout``. A host copy larger
+  than ``piece_bytes`` goes in pieces (:class:`_Pieces`): UCX copies host memory inside
+  the post, so one post of 12 MiB held the event loop ~2.5 ms; a piece at a time, small
+  copies go out between them.
 * Release: a handle is never released while NIXL may still read through it: one whose
   copy is in flight is released when the copy is terminal (``release_later``); one given
   up on at ``write_timeout`` is *stuck* until the poller (:meth:`Copies.check_stuck`)
@@ -36,19 +39,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("xavier_async.nixl")
 
+#: the default of ``NixlTransport(piece_bytes=...)``: off. On the 2-core machine pieces of
+#: 1-2 MiB did not lower the small-load p99 and cut the 12 MiB stream from 0.34-0.40 to
+#: 0.27-0.32 of raw (docs/benchmarks.md); opt in where a host measures a gain.
+PIECE_BYTES = 0
+
 
 
 class _Mapping:
     """Transfer handles for one (peer, send slab, view, peer's receive slab): the
     view-length handle plus a bounded cache of exact-length handles for trimmed copies."""
 
-    __slots__ = ("view_bytes", "local_ptr", "by_len", "slab")
+    __slots__ = ("view_bytes", "local_ptr", "by_len", "slab", "pieces")
 
     def __init__(self, view_bytes: int, local_ptr: int, handle: Any, slab: int = 0) -> None:
         self.view_bytes = view_bytes
         self.local_ptr = local_ptr
         self.slab = slab
         self.by_len: OrderedDict[int, Any] = OrderedDict({view_bytes: handle})
+        #: (offset, bytes) -> the handle of one piece of a large copy (:class:`_Pieces`)
+        self.pieces: OrderedDict[tuple[int, int], Any] = OrderedDict()
 
 
 class Target(Protocol):
@@ -75,16 +85,36 @@ class _Pending:
         self.peer, self.handle, self.nbytes, self.deadline = peer, handle, nbytes, deadline
 
 
+class _Pieces:
+    """A large WRITE cut into pieces (``Copies.piece_bytes``), posted one after another
+    from :meth:`Copies.wait`, one per pass through the event loop, so that small copies
+    posted meanwhile go out between them. Piece ``k + 1`` is posted once piece ``k`` is
+    DONE, and only the last carries the notification: when it lands, every byte has."""
+
+    __slots__ = ("peer", "handles", "notify", "nbytes", "deadline", "index", "handle")
+
+    def __init__(self, peer: Target, handles: list[Any], notify: bytes, nbytes: int,
+                 deadline: float) -> None:
+        self.peer, self.handles, self.notify = peer, handles, notify
+        self.nbytes, self.deadline = nbytes, deadline
+        #: the piece posted last, and its handle
+        self.index, self.handle = 0, handles[0]
+
+
 class Copies:
     """The copy path of one NIXL transport: its handle caches, post and wait, and the
     handles that must outlive their copies. ``pools`` is the transport's list of
     registered pools (read here, appended to by the transport)."""
 
     def __init__(self, pools: list[tuple[int, int, str, int]], *, write_timeout: float,
-                 spin: float, trim_handles: int) -> None:
+                 spin: float, trim_handles: int, piece_bytes: int = 0) -> None:
         self.write_timeout = write_timeout
         self.spin = spin
         self.trim_handles = trim_handles
+        #: host-to-host copies larger than this are posted in pieces (0: never)
+        self.piece_bytes = piece_bytes
+        #: copies posted in pieces, and pieces posted, so far
+        self.pieced = self.pieces_posted = 0
         #: registered pools (snapshot tiers): (first address, end, memory type, device)
         self.pools = pools
         self.agent: NixlAgent | None = None
@@ -110,15 +140,35 @@ class Copies:
         return self.agent
 
     # -- handles -------------------------------------------------------------------------
-    def handle(self, peer: Target, local_ptr: int, nbytes: int, slab: int = 0) -> Any:
-        """A new WRITE handle: ``nbytes`` at ``local_ptr`` to the start of ``peer``'s
-        receive slab ``slab``."""
+    def handle(self, peer: Target, local_ptr: int, nbytes: int, slab: int = 0,
+               offset: int = 0) -> Any:
+        """A new WRITE handle: ``nbytes`` at ``local_ptr`` to ``offset`` bytes into
+        ``peer``'s receive slab ``slab``."""
         agent = self._agent
         return agent.initialize_xfer(
             "WRITE",
             agent.get_xfer_descs([(local_ptr, nbytes, self.dev)], self.mem),
-            agent.get_xfer_descs([(peer.recv_ptrs[slab], nbytes, peer.recv_dev)], peer.mem),
+            agent.get_xfer_descs([(peer.recv_ptrs[slab] + offset, nbytes, peer.recv_dev)], peer.mem),
             peer.agent)
+
+    def _piece_handles(self, p: Target, m: _Mapping, nbytes: int) -> list[Any]:
+        """The handles of the pieces of a copy of ``nbytes`` through ``m``: whole pieces,
+        made once, and a shorter last one (trimmed copies; kept in a small LRU)."""
+        size, out = self.piece_bytes, []
+        for off in range(0, nbytes, size):
+            key = (off, min(size, nbytes - off))
+            h = m.pieces.get(key)
+            if h is None:
+                h = m.pieces[key] = self.handle(p, m.local_ptr + off, key[1], m.slab, off)
+                if key[1] != size and len(m.pieces) > self.trim_handles + m.view_bytes // size:
+                    for old in list(m.pieces):
+                        if old[1] != size and old != key:
+                            self.release_handle(m.pieces.pop(old))
+                            break
+            elif key[1] != size:
+                m.pieces.move_to_end(key)
+            out.append(h)
+        return out
 
     def mapping(self, peer: Target, send: int, local_ptr: int, nbytes: int, slab: int) -> _Mapping:
         """The mapping of a view (``nbytes`` at ``local_ptr`` of send slab ``send``) to
@@ -145,7 +195,7 @@ class Copies:
     def release_peer(self, peer: Target) -> None:
         """Release every handle cached for ``peer`` (those still posted once terminal)."""
         for m in peer.handles.values():
-            for h in m.by_len.values():
+            for h in [*m.by_len.values(), *m.pieces.values()]:
                 self.release_handle(h)
         peer.handles.clear()
         for h in peer.direct.values():
@@ -164,6 +214,8 @@ class Copies:
         if not isinstance(mapping, _Mapping):
             raise InvalidRequestError(f"not a mapping of this transport: {mapping!r}")
         m = mapping
+        if self.piece_bytes and nbytes > self.piece_bytes and self.mem == p.mem == "DRAM":
+            return self._start_pieces(p, self._piece_handles(p, m, nbytes), nbytes, notify or b"")
         h = m.by_len.get(nbytes)
         if h is None:  # trimmed copy of a new length: exact-length handle, kept in a small LRU
             h = self.handle(p, m.local_ptr, nbytes, m.slab)
@@ -198,20 +250,25 @@ class Copies:
             p.direct.move_to_end(key)
         return self.start(p, h, sum(n for _, _, n in regions), notify)
 
-    def start(self, p: Target, h: Any, nbytes: int, notify: bytes | None) -> object | None:
+    def _transfer(self, h: Any, notify: bytes) -> str:
+        """Post ``h`` and spin briefly; NIXL's state after it. A small copy completes in
+        ~10-20 us, far less than a trip through the event loop. Spinning also drives
+        UCX's progress: a copy that does not finish inside this call sends its
+        notification only from a later check_xfer_state, which a busy event loop makes
+        late. (Skipping the spin for copies posted under load and for large copies was
+        measured on the H200 pair, same loan: 20% fewer small loads/s with two endpoints
+        loading from each other.)"""
         agent = self._agent
-        now = time.monotonic()
-        self.last_activity = now
-        state = agent.transfer(h, notify or b"")
-        # spin briefly: a small copy completes in ~10-20 us, far less than a trip
-        # through the event loop. Spinning also drives UCX's progress: a copy that does
-        # not finish inside this call sends its notification only from a later
-        # check_xfer_state, which a busy event loop makes late. (Skipping the spin for
-        # copies posted under load and for large copies was measured on the H200 pair,
-        # same loan: 20% fewer small loads/s with two endpoints loading from each other.)
+        self.last_activity = time.monotonic()
+        state = agent.transfer(h, notify)
         until = time.perf_counter() + self.spin
         while state == "PROC" and time.perf_counter() < until:
             state = agent.check_xfer_state(h)
+        return state
+
+    def start(self, p: Target, h: Any, nbytes: int, notify: bytes | None) -> object | None:
+        now = time.monotonic()
+        state = self._transfer(h, notify or b"")
         if state == "DONE":
             return None
         if state != "PROC":
@@ -219,13 +276,33 @@ class Copies:
         self.in_flight[id(h)] = p.rank
         return _Pending(p, h, nbytes, now + self.write_timeout)
 
+    def _start_pieces(self, p: Target, handles: list[Any], nbytes: int, notify: bytes) -> _Pieces:
+        """Post the first piece of a copy in pieces (:class:`_Pieces`); :meth:`wait`
+        posts the others."""
+        w = _Pieces(p, handles, notify, nbytes, time.monotonic() + self.write_timeout)
+        self.pieced += 1
+        self._post_piece(w)
+        return w
+
+    def _post_piece(self, w: _Pieces) -> None:
+        """Post piece ``w.index`` (the notification goes with the last one)."""
+        last = w.index == len(w.handles) - 1
+        self.pieces_posted += 1
+        state = self._transfer(w.handle, w.notify if last else b"")
+        if state == "PROC":
+            self.in_flight[id(w.handle)] = w.peer.rank
+        elif state != "DONE":
+            raise TransferError(f"NIXL reported {state} for piece {w.index} of a copy of "
+                                f"{w.nbytes} B to rank {w.peer.rank}")
+
     # -- completion ----------------------------------------------------------------------
     async def wait(self, pending: object) -> None:
+        if isinstance(pending, _Pieces):
+            return await self._wait_pieces(pending)
         if not isinstance(pending, _Pending):
             raise InvalidRequestError(f"not a pending copy of this transport: {pending!r}")
         w = pending
         agent, checkpoint = self._agent, anyio.lowlevel.checkpoint
-        key = id(w.handle)
         stuck = False
         try:
             while True:
@@ -234,21 +311,60 @@ class Copies:
                 if state == "DONE":  # the bytes landed, whether or not the peer is still here
                     return
                 if state != "PROC":
-                    if w.peer.lost:
-                        raise PeerLostError(f"rank {w.peer.rank} went away during a copy")
-                    raise TransferError(
-                        f"NIXL reported {state} for a copy of {w.nbytes} B to rank {w.peer.rank}")
+                    raise self._failure(state, w.peer, w.nbytes)
                 if time.monotonic() > w.deadline:
                     stuck = True
-                    raise TransferError(
-                        f"copy to rank {w.peer.rank} did not finish in {self.write_timeout} s")
+                    raise self._late(w.peer)
         finally:
-            self.in_flight.pop(key, None)
-            late = self.release_later.pop(key, None)
-            if stuck:  # may still land: watched by the poll loop, released when terminal
-                self.stuck[key] = (w.peer.rank, late if late is not None else w.handle)
-            elif late is not None:
-                self.release_handle(late)
+            self._settle(w.peer, w.handle, stuck)
+
+    async def _wait_pieces(self, w: _Pieces) -> None:
+        """Poll each posted piece to DONE and post the next, one per pass through the
+        event loop; a peer lost between pieces gets no more of them."""
+        agent, checkpoint = self._agent, anyio.lowlevel.checkpoint
+        stuck = False
+        try:
+            while True:
+                await checkpoint()
+                if id(w.handle) in self.in_flight:
+                    state = agent.check_xfer_state(w.handle)
+                    if state == "PROC":
+                        if time.monotonic() > w.deadline:
+                            stuck = True
+                            raise self._late(w.peer)
+                        continue
+                    self._settle(w.peer, w.handle, False)
+                    if state != "DONE":
+                        raise self._failure(state, w.peer, w.nbytes)
+                if w.index == len(w.handles) - 1:
+                    return
+                if w.peer.lost:
+                    raise PeerLostError(f"rank {w.peer.rank} went away during a copy")
+                w.index += 1
+                w.handle = w.handles[w.index]
+                self._post_piece(w)
+        finally:
+            if id(w.handle) in self.in_flight or stuck:
+                self._settle(w.peer, w.handle, stuck)
+
+    def _failure(self, state: str, peer: Target, nbytes: int) -> Exception:
+        if peer.lost:
+            return PeerLostError(f"rank {peer.rank} went away during a copy")
+        return TransferError(f"NIXL reported {state} for a copy of {nbytes} B to rank {peer.rank}")
+
+    def _late(self, peer: Target) -> TransferError:
+        return TransferError(f"copy to rank {peer.rank} did not finish in {self.write_timeout} s")
+
+    def _settle(self, peer: Target, h: Any, stuck: bool) -> None:
+        """A copy through ``h`` is no longer waited for: release the handle if it was
+        released meanwhile, or (given up on while posted) leave it to the poller."""
+        key = id(h)
+        self.in_flight.pop(key, None)
+        late = self.release_later.pop(key, None)
+        if stuck:  # may still land: watched by the poll loop, released when terminal
+            self.stuck[key] = (peer.rank, late if late is not None else h)
+        elif late is not None:
+            self.release_handle(late)
 
     def unsettled(self) -> set[int]:
         return set(self.in_flight.values()) | {rank for rank, _ in self.stuck.values()}
