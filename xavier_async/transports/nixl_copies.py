@@ -45,7 +45,6 @@ log = logging.getLogger("xavier_async.nixl")
 PIECE_BYTES = 0
 
 
-
 class _Mapping:
     """Transfer handles for one (peer, send slab, view, peer's receive slab): the
     view-length handle plus a bounded cache of exact-length handles for trimmed copies."""
