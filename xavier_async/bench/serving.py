@@ -62,6 +62,7 @@ from ..testing.hostprof import ENV as HOST_PROFILE_ENV
 from ..testing.hostprof import HostProfile
 from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requests, pattern_caches, \
     replay_loads, replay_open_loop, split_caches, zero_caches
+from ..transports.nixl_copies import PIECE_BYTES
 from .raw import RAW_COPIES, raw_floor
 from .soak import _rss_kib
 from .common import BenchOptions, bench_layout, make_trace, nearest_rank, stats, target
@@ -442,7 +443,6 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
             mine["open_loop"], _ = await ph.run(phases["mixed"], CONCURRENCY, rate=rate)
             regs1, mem1 = await registrations(), rss()
     full_rate = o.full_bytes / (floor["median_us"] * 1e-6)
-    from ..transports.nixl_copies import PIECE_BYTES
     out = {**slab_counts(cfg), "topology": "duplex" if duplex else "three",
            "piece_bytes": transport.get("piece_bytes", PIECE_BYTES),
            "raw_full_copy": {**floor, "gbps": full_rate / 1e9},
