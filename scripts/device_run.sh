@@ -5,7 +5,7 @@
 # Usage: bash scripts/device_run.sh [tests] [kernels] [floor] [snapshot] [bench] [demo] [serving] [profile]
 #   (default: tests kernels floor bench demo; snapshot: the snapshot-store section alone; serving: the serving section alone, duplex and three processes;
 #    profile: the three-process serving section under py-spy, if its wheel is in .whl/;
-#    matrix: the serving section once per line of $MATRIX, "tag: bench flags";
+#    matrix: the serving section once per line of $MATRIX, "tag: [NAME=value ...] bench flags";
 #    SERVING_TOPOLOGIES, SERVING_ARGS and SERVING_TAG narrow and vary the serving step;
 #    MATRIX_TIMEOUT: seconds per matrix run, default 280: three rounds of duplex took 213 s)
 set -u
@@ -29,9 +29,11 @@ for step in $steps; do case $step in
   serving) for topo in ${SERVING_TOPOLOGIES:-duplex three}; do
             timeout 280 python3 -m xavier_async.bench bench --only-serving --serving-topology $topo ${SERVING_ARGS:-} --json "$OUT/serving_$topo${SERVING_TAG:-}.json" --plot "$OUT/serving_$topo${SERVING_TAG:-}.png" 2>&1 | tee "$OUT/serving_$topo${SERVING_TAG:-}.txt"; done ;;
   matrix) # the serving section once per line of $MATRIX ("tag: bench flags"), one topology each
+          # (a line's leading NAME=value words are set in that run's environment)
           while IFS=: read -r tag args; do [ -n "$tag" ] || continue
+            envs=(); set -- $args; while [ $# -gt 0 ] && [[ $1 == [A-Z]*=* ]]; do envs+=("$1"); shift; done
             for topo in ${SERVING_TOPOLOGIES:-duplex three}; do
-              timeout ${MATRIX_TIMEOUT:-280} python3 -m xavier_async.bench bench --only-serving --serving-topology $topo $args --json "$OUT/serving_${topo}_$tag.json" > "$OUT/serving_${topo}_$tag.txt" 2>&1
+              env "${envs[@]}" timeout ${MATRIX_TIMEOUT:-280} python3 -m xavier_async.bench bench --only-serving --serving-topology $topo "$@" --json "$OUT/serving_${topo}_$tag.json" > "$OUT/serving_${topo}_$tag.txt" 2>&1
               echo "$topo $tag: rc $?"; done; done <<< "${MATRIX:-}"
           # one archive: the device tool brings back only a few files per call
           (cd "$OUT" && tar czf matrix.tgz serving_*_* && rm -f serving_*_*) ;;
