@@ -681,3 +681,21 @@ def test_bench_help_fits_a_screen_and_help_all_lists_every_experiment_flag(capsy
     assert all(flag in full for flag in EXPERT_FLAGS)
     # hidden from the help, still parsed
     assert build_parser().parse_args(["bench", "--serving-trimmed", "--no-pin"]).serving_trimmed
+
+
+def test_the_vllm_section_prints_decode_while_serving_against_its_target():
+    """The decode-while-serving line carries the ratio, the target, what B loaded, its
+    failures, the bytes check and the control (pure: a result as serving_rows makes it)."""
+    from xavier_async.bench import vllm_ttft
+
+    sv = {"alone_tokens_per_s": [1200.0, 1100.0], "serving_tokens_per_s": 760.0,
+          "b_computing_tokens_per_s": 1000.0, "vs_alone": 760 / 1150, "vs_b_computing": 0.76,
+          "rounds": 3, "control_rounds": 1, "loads": 24, "load_failures": 1,
+          "bytes_loaded": 100_000_000, "load_mb_per_s": 500.0, "first_tokens_equal": 23,
+          "first_tokens_of": 24}
+    text = vllm_ttft.table({"prefixes": [], "serving": sv})
+    assert "760.0 tok/s against 1200.0, 1100.0 alone" in text
+    assert f"= 0.66 of alone (target >= {vllm_ttft.DECODE_WHILE_SERVING_TARGET:.2f})" in text
+    assert "B loaded 24 times, 100 MB (500 MB/s), 1 failures, first tokens equal 23/24" in text
+    assert "serving / control 0.76" in text
+    assert "decode" not in vllm_ttft.table({"prefixes": []}).lower()

@@ -83,6 +83,22 @@ def test_b_and_c_load_a_s_prefix_and_decode_the_same_tokens(replicas):
         assert after["load_failures"] == before["load_failures"]
 
 
+def test_b_loads_again_once_its_own_prefix_cache_is_reset(replicas):
+    """The decode-while-serving bench makes B load the same prefixes round after round by
+    resetting B's own prefix cache: B then loads from A again, and still decodes right."""
+    a, b, _ = replicas
+    prompt = tokens(1, 8 * BLOCK) + tokens(6, 7)       # the first test's prefix, held by A
+    want = a.generate([prompt], 8).tokens
+    before = b.stats()
+    assert b.generate([prompt], 8).tokens == want       # B's own cache: nothing loaded
+    assert b.stats()["blocks_loaded"] == before["blocks_loaded"]
+    assert b.reset_prefix_cache()
+    assert b.generate([prompt], 8).tokens == want
+    after = b.stats()
+    assert after["blocks_loaded"] - before["blocks_loaded"] == 8
+    assert after["load_failures"] == before["load_failures"]
+
+
 def test_a_and_b_compute_alike_so_the_comparison_means_something(replicas):
     a, b, _ = replicas
     prompt = tokens(9, BLOCK - 9)                       # no full block: nothing to load

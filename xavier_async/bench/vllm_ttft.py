@@ -10,7 +10,11 @@ plus one token (``max_tokens=1``, so its TTFT is the call's wall time) and:
   its ``kv_transfer_params``), the anchor, in the same invocation.
 
 Beside them, B's **one step**: a 2-token prompt, nothing to load, A alive. Every figure
-is a median over ``reps`` prompts; tokens are compared with A's own answer."""
+is a median over ``reps`` prompts; tokens are compared with A's own answer.
+
+And **decode while serving** (:func:`serving_rows`): A's output tokens/s decoding a batch
+alone and while B loads A's prefixes as fast as it can, the ratio against the target
+(issue 34: >= 0.90)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import multiprocessing as mp
 import os
 import random
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -129,6 +134,94 @@ def xavier_rows(model: str, prefixes: Sequence[int], reps: int, mode: str = "syn
         a.close()
         b.close()
     return rows
+
+
+#: decode while serving: A's batch (requests, prompt tokens, tokens each decodes) and
+#: the prefixes B loads from A over and over (how many, tokens each)
+DECODE_BATCH, DECODE_PROMPT, DECODE_TOKENS = 16, 16, 96
+SERVED_PREFIXES, SERVED_PREFIX = 8, 1024
+#: issue 34: a replica serving a peer's loads at full rate keeps this share of its decode
+DECODE_WHILE_SERVING_TARGET = 0.90
+
+
+def serving_rows(model: str) -> dict[str, Any]:
+    """A (CPU 0) decodes a batch alone; while B (CPU 1) loads A's prefixes as fast as it
+    can (B's own prefix cache reset before each round, so every round loads them all
+    again); while B computes prompts of the same length itself (the control: B as busy,
+    A serving nothing); and alone again. A's output tokens/s each time, what B loaded,
+    and A's serving stages. B's first tokens are compared with A's own answers."""
+    stats = f"/tmp/xavier-async-vllm-serving-{os.getpid()}-{{r}}-{{tp}}.json"
+    a = Replica(ReplicaSpec(model, "0", xavier_config(0, "127.0.0.1:7521", ["127.0.0.1:7522"],
+                                                       stats_file=stats.replace("{r}", "a"))),
+                wait=False)
+    b = Replica(ReplicaSpec(model, "1", xavier_config(1, "127.0.0.1:7522", ["127.0.0.1:7521"],
+                                                       stats_file=stats.replace("{r}", "b"))),
+                wait=False)
+    rng = random.Random(3)
+
+    def decode() -> float:
+        g = a.generate([_ids(rng, DECODE_PROMPT) for _ in range(DECODE_BATCH)], DECODE_TOKENS)
+        return sum(map(len, g.tokens)) / g.seconds
+
+    def decode_during(one_round: Any) -> tuple[float, int, float]:
+        """A's decode while B repeats ``one_round``: tokens/s, B's rounds, their seconds."""
+        stop, rounds = threading.Event(), [0]
+
+        def loop() -> None:
+            while not stop.is_set():
+                one_round()
+                rounds[0] += 1
+
+        t0 = time.perf_counter()
+        worker = threading.Thread(target=loop, daemon=True)
+        worker.start()
+        try:
+            tokens_per_s = decode()
+        finally:
+            stop.set()
+            worker.join(timeout=300)
+        return tokens_per_s, rounds[0], time.perf_counter() - t0
+
+    try:
+        a.wait_ready(), b.wait_ready()
+        time.sleep(1.0)
+        held = [_ids(rng, SERVED_PREFIX) for _ in range(SERVED_PREFIXES)]
+        a.generate([p + [5] for p in held], 1)
+        want = a.generate([p + [7] for p in held], 1).tokens
+        time.sleep(0.3)                                   # the announcements reach B
+        decode()                                          # warm-up
+        alone = [decode()]
+        equal = [0, 0]
+
+        def load_round() -> None:
+            b.reset_prefix_cache()
+            got = b.generate([p + [7] for p in held], 1).tokens
+            equal[0] += sum(x == y for x, y in zip(got, want))
+            equal[1] += len(want)
+
+        def compute_round() -> None:
+            b.generate([_ids(rng, SERVED_PREFIX) + [7] for _ in held], 1)
+
+        before, a_before = b.stats(), a.stats()
+        serving, rounds, seconds = decode_during(load_round)
+        after, a_after = b.stats(), a.stats()
+        control, control_rounds, _ = decode_during(compute_round)
+        alone.append(decode())
+        moved = after["bytes_loaded"] - before["bytes_loaded"]
+        return {"alone_tokens_per_s": alone, "serving_tokens_per_s": serving,
+                "b_computing_tokens_per_s": control,
+                "vs_alone": serving / statistics.mean(alone), "vs_b_computing": serving / control,
+                "rounds": rounds, "control_rounds": control_rounds,
+                "loads": after["loads"] - before["loads"],
+                "load_failures": after["load_failures"] - before["load_failures"],
+                "bytes_loaded": moved, "load_mb_per_s": moved / seconds / 1e6,
+                "first_tokens_equal": equal[0], "first_tokens_of": equal[1],
+                "a_publish_ms_per_step": (a_after["publish_seconds"] - a_before["publish_seconds"])
+                / max(1, a_after["publishes"] - a_before["publishes"]) * 1e3,
+                "stages_a": a_after.get("stages", {})}
+    finally:
+        a.close()
+        b.close()
 
 
 def plain_rows(model: str, prefixes: Sequence[int], reps: int) -> dict[str, Any]:
@@ -249,9 +342,11 @@ def nixl_rows(model: str, prefixes: Sequence[int], reps: int, batch: bool = True
 
 
 def run(model_dir: str = "/tmp/xavier-async-vllm-model", prefixes: Sequence[int] = PREFIXES,
-        reps: int = 3, anchor: bool = True, batch: bool = True) -> dict[str, Any]:
+        reps: int = 3, anchor: bool = True, batch: bool = True, serving: bool = True
+        ) -> dict[str, Any]:
     """The section's figures (milliseconds), keyed by prefix length: XavierConnector with
-    sync and async loads, B without a connector (the no-hit reference), NixlConnector."""
+    sync and async loads, B without a connector (the no-hit reference), NixlConnector;
+    and A's decode throughput while B loads from it (:func:`serving_rows`)."""
     model = make_model(model_dir)
     out: dict[str, Any] = {"prefixes": list(prefixes), "reps": reps,
                            "xavier": xavier_rows(model, prefixes, reps, "sync", batch),
@@ -259,6 +354,8 @@ def run(model_dir: str = "/tmp/xavier-async-vllm-model", prefixes: Sequence[int]
                            "plain": plain_rows(model, prefixes, reps)}
     if anchor:
         out["nixl"] = nixl_rows(model, prefixes, reps, batch)
+    if serving:
+        out["serving"] = serving_rows(model)
     return out
 
 
@@ -300,6 +397,19 @@ def table(result: dict[str, Any]) -> str:
                     extra += f", loads {b['loads']}, failures {b['load_failures']}"
                 lines.append(f"{name:>16} {b['ttft_p50_ms']:>9.1f} {b['ttft_p95_ms']:>9.1f} "
                              f"{b['tokens_per_s']:>7.1f} {ratio:>13.2f}{extra}")
+    sv = result.get("serving")
+    if sv:
+        lines.append(
+            f"A decoding {DECODE_BATCH} requests x {DECODE_TOKENS} tokens while B loads A's "
+            f"{SERVED_PREFIXES} {SERVED_PREFIX}-token prefixes round after round: "
+            f"{sv['serving_tokens_per_s']:.1f} tok/s against "
+            f"{', '.join(f'{t:.1f}' for t in sv['alone_tokens_per_s'])} alone (before, after) "
+            f"= {sv['vs_alone']:.2f} of alone (target >= {DECODE_WHILE_SERVING_TARGET:.2f}); "
+            f"B loaded {sv['loads']} times, {sv['bytes_loaded'] / 1e6:.0f} MB "
+            f"({sv['load_mb_per_s']:.0f} MB/s), {sv['load_failures']} failures, first tokens "
+            f"equal {sv['first_tokens_equal']}/{sv['first_tokens_of']}; control, B computing "
+            f"the same prompts itself: A {sv['b_computing_tokens_per_s']:.1f} tok/s (serving / "
+            f"control {sv['vs_b_computing']:.2f})")
     for name, d in (("sync", x), ("async", xa)):
         if "announce_ms" in d:
             an = d["announce_ms"]

@@ -3,7 +3,8 @@
 :func:`make_model` writes a small Qwen2 with transformers' random init (real random
 weights: vLLM's ``load_format="dummy"`` draws weights so small that wrong KV may not show
 in the tokens). :class:`Replica` runs one ``vllm.LLM`` in a child process of its own
-process group, pinned to the CPUs it is given, and answers ``generate`` calls over a pipe;
+process group, pinned to the CPUs it is given, and answers ``generate`` (and
+``reset_prefix_cache``) calls over a pipe;
 :meth:`Replica.kill` and :meth:`Replica.close` end the whole group (vLLM's EngineCore and
 worker processes would otherwise outlive an abrupt exit, busy-looping)."""
 
@@ -84,7 +85,10 @@ def _child(spec: ReplicaSpec, conn: Any) -> None:
             return
         if msg is None:
             return
-        prompts, max_tokens = msg
+        if msg[0] == "reset":
+            conn.send(("reset", bool(llm.reset_prefix_cache())))
+            continue
+        _, prompts, max_tokens = msg
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
@@ -159,11 +163,21 @@ class Replica:
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *,
                  timeout: float = 300.0) -> Generation:
         """Greedy tokens for each prompt (token ids), with the call's wall time."""
-        self._conn.send((list(map(list, prompts)), max_tokens))
+        self._conn.send(("generate", list(map(list, prompts)), max_tokens))
+        kind, tokens, cached, wall, ttfts = self._answer(timeout)
+        return Generation(tokens, cached, wall, ttfts)
+
+    def reset_prefix_cache(self, *, timeout: float = 60.0) -> bool:
+        """Drop the replica's own prefix cache (vLLM's ``LLM.reset_prefix_cache``), so that
+        a prompt it computed or loaded before is looked up again; whether vLLM did."""
+        self._conn.send(("reset",))
+        _, done = self._answer(timeout)
+        return bool(done)
+
+    def _answer(self, timeout: float) -> Any:
         if not self._conn.poll(timeout):
             raise TimeoutError(f"vLLM replica did not answer in {timeout} s")
-        kind, tokens, cached, wall, ttfts = self._conn.recv()
-        return Generation(tokens, cached, wall, ttfts)
+        return self._conn.recv()
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the replica's whole process group (``SIGSTOP`` freezes it)."""
