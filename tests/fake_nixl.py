@@ -100,7 +100,8 @@ class FakeAgent:
         if handle in self.posted:
             self.errors.append("transfer on a handle with a copy still posted")
             return "ERR"
-        handle.notif = notif
+        if notif:  # as NIXL does: an empty message re-sends the handle's last one
+            handle.notif = notif
         handle.state = "PROC"
         self.posted.add(handle)
         if not self.fabric.hold_copies:

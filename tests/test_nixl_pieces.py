@@ -58,8 +58,9 @@ async def test_a_large_copy_goes_piece_by_piece_and_notifies_once_at_the_end(nby
         # each piece has its own handle (offsets on both sides), made once and re-posted
         assert [h.local[0][1] for h in m.pieces.values()] == [min(PIECE, nbytes - o) for o in range(0, nbytes, PIECE)]
         made = len(a.agent.live)
-        await a.t.wait(a.t.post(1, m, nbytes, None))
+        await a.t.wait(a.t.post(1, m, nbytes, b"again"))
         assert len(a.agent.live) == made and a.t.pieces == (2, 2 * pieces)
+        await delivered(b, [(0, b"landed"), (0, b"again")])
         await a.t.forget(1)  # the channel is reset: the pieces' handles go too
         assert a.agent.live == set() and a.agent.errors == []
 
@@ -124,3 +125,27 @@ async def test_a_token_of_another_kind_is_refused() -> None:
     async with nodes(1, piece_bytes=PIECE) as (a,):
         with pytest.raises(InvalidRequestError):
             await a.t.wait(object())
+
+
+async def test_a_piece_that_notified_once_never_sends_its_notification_again() -> None:
+    """NIXL re-sends a handle's last notification when it is re-posted with an empty one
+    (the fake does as NIXL 1.5.1 was measured to). The last piece of a 2-piece copy is a
+    middle piece of the next, longer copy: it must not land the first copy's "landed"
+    again before the second copy's bytes are all there."""
+    async with nodes(2, piece_bytes=PIECE) as (a, b):
+        await a.t.connect(b.t.address)
+        want = fill(a, 9)
+        m = await a.t.map_view(1, a.send.full)
+        await a.t.wait(a.t.post(1, m, 2 * PIECE, b"first"))
+        await delivered(b, [(0, b"first")])
+        b.recv.tensor.zero_()
+        await a.t.wait(a.t.post(1, m, FULL, b"second"))
+        await delivered(b, [(0, b"first"), (0, b"second")])
+        assert torch.equal(b.recv.tensor, want)
+        await a.t.wait(a.t.post(1, m, FULL, None))      # a bare copy in pieces: silent
+        assert a.t.post(1, m, PIECE, None) is None      # and a bare whole copy
+        for _ in range(20):
+            await anyio.lowlevel.checkpoint()
+        assert b.host.delivered == [(0, b"first"), (0, b"second")]
+        await a.t.forget(1)
+        assert a.agent.live == set() and a.agent.errors == []

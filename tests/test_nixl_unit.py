@@ -121,7 +121,7 @@ async def test_exact_length_handles_are_an_lru_and_the_view_handle_stays():
         for i, n in enumerate([100, 200, 300, 200, 400, 500]):
             want = fill(a, 10 + i)
             b.recv.tensor.zero_()
-            assert a.t.post(1, m, n, None) is None
+            assert a.t.post(1, m, n, b"landed") is None
             assert torch.equal(b.recv.tensor[:n], want[:n]) and not b.recv.tensor[n:].any()
         # 100 went first (oldest), then 300 (200 was used again, so it is younger)
         assert [h.local[0][1] for h in a.agent.released] == [100, 300, 200]
@@ -129,6 +129,28 @@ async def test_exact_length_handles_are_an_lru_and_the_view_handle_stays():
         await a.t.forget(1)  # the channel is reset: every handle goes, the view one too
         assert {h.local[0][1] for h in a.agent.released} == {100, 200, 300, 400, 500, FULL}
         assert a.agent.live == set()
+
+
+async def test_a_copy_without_a_notification_never_re_sends_an_earlier_one():
+    """NIXL re-sends a handle's last notification when it is re-posted with an empty one
+    (NIXL 1.5.1, measured; the fake does the same): a bare copy after a load through the
+    same view goes through a handle of its own, and exact lengths are an LRU there too."""
+    async with nodes(2, trim_handles=1) as (a, b):
+        await a.t.connect(b.t.address)
+        m = await a.t.map_view(1, a.send.full)
+        assert isinstance(m, _Mapping)
+        for i, (n, notify) in enumerate([(FULL, b"landed"), (FULL, None), (100, None),
+                                         (200, None), (100, b"short")]):
+            want = fill(a, 30 + i)
+            b.recv.tensor.zero_()
+            assert a.t.post(1, m, n, notify) is None
+            assert torch.equal(b.recv.tensor[:n], want[:n]) and not b.recv.tensor[n:].any()
+        for _ in range(20):
+            await anyio.lowlevel.checkpoint()
+        assert b.host.delivered == [(0, b"landed"), (0, b"short")]
+        assert list(m.silent) == [FULL, 200] and list(m.by_len) == [FULL, 100]
+        await a.t.forget(1)
+        assert a.agent.live == set() and a.agent.errors == []
 
 
 async def test_a_handle_with_a_copy_posted_is_released_only_after_the_copy():

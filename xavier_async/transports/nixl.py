@@ -82,7 +82,7 @@ class _Peer:
         self.told = told
         #: (its receive slab, regions of our pools) -> transfer handle, least recently
         #: used first (writes straight from a snapshot tier)
-        self.direct: OrderedDict[tuple[int, Regions], Any] = OrderedDict()
+        self.direct: OrderedDict[tuple[int, Regions, bool], Any] = OrderedDict()
 
     @property
     def recv_ptr(self) -> int:

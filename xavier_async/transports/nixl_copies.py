@@ -4,13 +4,18 @@
   a send slab to the peer's receive slab, re-posted for every copy, plus a small LRU of
   exact-length handles for trimmed copies (``trim_handles`` of them). A write straight
   from a registered pool (a snapshot tier, :meth:`Copies.post_regions`) has its handle
-  in a per-peer LRU (``peer.direct``) keyed by its regions.
+  in a per-peer LRU (``peer.direct``) keyed by its regions (and whether it notifies).
 * Posting: :meth:`Copies.start` posts a handle and spins briefly (``spin``); a copy not
   terminal by then is *in flight* (``in_flight``) and returns a :class:`_Pending` that
   :meth:`Copies.wait` polls to a terminal state or ``write_timeout``. A host copy larger
   than ``piece_bytes`` goes in pieces (:class:`_Pieces`): UCX copies host memory inside
   the post, so one post of 12 MiB held the event loop ~2.5 ms; a piece at a time, small
   copies go out between them.
+* Notifications: NIXL keeps a handle's last notification and sends it again when the
+  handle is re-posted with an empty one (NIXL 1.5.1, measured). So a handle that carries
+  notifications is never posted without one: a copy without a notification (a bare copy,
+  or a piece before the last) goes through handles of its own (``silent``, and pieces
+  keyed by whether they notify).
 * Release: a handle is never released while NIXL may still read through it: one whose
   copy is in flight is released when the copy is terminal (``release_later``); one given
   up on at ``write_timeout`` is *stuck* until the poller (:meth:`Copies.check_stuck`)
@@ -49,17 +54,20 @@ PIECE_BYTES = 0
 
 class _Mapping:
     """Transfer handles for one (peer, send slab, view, peer's receive slab): the
-    view-length handle plus a bounded cache of exact-length handles for trimmed copies."""
+    view-length handle plus a bounded cache of exact-length handles for trimmed copies;
+    ``silent``: the same for copies posted without a notification (see the module)."""
 
-    __slots__ = ("view_bytes", "local_ptr", "by_len", "slab", "pieces")
+    __slots__ = ("view_bytes", "local_ptr", "by_len", "silent", "slab", "pieces")
 
     def __init__(self, view_bytes: int, local_ptr: int, handle: Any, slab: int = 0) -> None:
         self.view_bytes = view_bytes
         self.local_ptr = local_ptr
         self.slab = slab
         self.by_len: OrderedDict[int, Any] = OrderedDict({view_bytes: handle})
-        #: (offset, bytes) -> the handle of one piece of a large copy (:class:`_Pieces`)
-        self.pieces: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        self.silent: OrderedDict[int, Any] = OrderedDict()
+        #: (offset, bytes, notifies) -> the handle of one piece of a large copy
+        #: (:class:`_Pieces`); only a last piece notifies
+        self.pieces: OrderedDict[tuple[int, int, bool], Any] = OrderedDict()
 
 
 class Target(Protocol):
@@ -75,8 +83,8 @@ class Target(Protocol):
     lost: bool
     #: (our send slab, view bytes, its receive slab) -> the view's handles
     handles: dict[tuple[int, int, int], _Mapping]
-    #: (its receive slab, regions) -> handle, least recently used first
-    direct: OrderedDict[tuple[int, Regions], Any]
+    #: (its receive slab, regions, notifies) -> handle, least recently used first
+    direct: OrderedDict[tuple[int, Regions, bool], Any]
 
 
 class _Pending:
@@ -157,19 +165,21 @@ class Copies:
             agent.get_xfer_descs([(peer.recv_ptrs[slab] + offset, nbytes, peer.recv_dev)], peer.mem),
             peer.agent)
 
-    def _piece_handles(self, p: Target, m: _Mapping, nbytes: int) -> list[Any]:
+    def _piece_handles(self, p: Target, m: _Mapping, nbytes: int, notifies: bool) -> list[Any]:
         """The handles of the pieces of a copy of ``nbytes`` through ``m``: whole pieces,
-        made once, and a shorter last one (trimmed copies; kept in a small LRU)."""
+        made once, and a shorter last one (trimmed copies; kept in a small LRU). The last
+        piece of a copy that notifies has a handle of its own (see the module)."""
         size, out = self.piece_bytes, []
         for off in range(0, nbytes, size):
-            key = (off, min(size, nbytes - off))
+            n = min(size, nbytes - off)
+            key = (off, n, notifies and off + n == nbytes)
             h = m.pieces.get(key)
             if h is None:
-                h = m.pieces[key] = self.handle(p, m.local_ptr + off, key[1], m.slab, off)
-                if key[1] != size:
-                    self._evict_one(m.pieces, self.trim_handles + m.view_bytes // size,
+                h = m.pieces[key] = self.handle(p, m.local_ptr + off, n, m.slab, off)
+                if n != size:
+                    self._evict_one(m.pieces, self.trim_handles + 2 * (m.view_bytes // size),
                                     lambda k: k[1] == size or k == key)
-            elif key[1] != size:
+            elif n != size:
                 m.pieces.move_to_end(key)
             out.append(h)
         return out
@@ -207,7 +217,7 @@ class Copies:
     def release_peer(self, peer: Target) -> None:
         """Release every handle cached for ``peer`` (those still posted once terminal)."""
         for m in peer.handles.values():
-            for h in [*m.by_len.values(), *m.pieces.values()]:
+            for h in [*m.by_len.values(), *m.silent.values(), *m.pieces.values()]:
                 self.release_handle(h)
         peer.handles.clear()
         for h in peer.direct.values():
@@ -227,21 +237,24 @@ class Copies:
             raise InvalidRequestError(f"not a mapping of this transport: {mapping!r}")
         m = mapping
         if self.piece_bytes and nbytes > self.piece_bytes and self.mem == p.mem == "DRAM":
-            return self._start_pieces(p, self._piece_handles(p, m, nbytes), nbytes, notify or b"")
-        h = m.by_len.get(nbytes)
-        if h is None:  # trimmed copy of a new length: exact-length handle, kept in a small LRU
+            handles = self._piece_handles(p, m, nbytes, bool(notify))
+            return self._start_pieces(p, handles, nbytes, notify or b"")
+        cache = m.by_len if notify else m.silent
+        h = cache.get(nbytes)
+        if h is None:  # a new length (or the first silent copy): a handle, kept in a small LRU
             h = self.handle(p, m.local_ptr, nbytes, m.slab)
-            m.by_len[nbytes] = h
-            self._evict_one(m.by_len, self.trim_handles + 1, lambda n: n in (m.view_bytes, nbytes))
+            cache[nbytes] = h
+            self._evict_one(cache, self.trim_handles + (m.view_bytes in cache),
+                            lambda n: n in (m.view_bytes, nbytes))
         elif nbytes != m.view_bytes:
-            m.by_len.move_to_end(nbytes)
+            cache.move_to_end(nbytes)
         return self.start(p, h, nbytes, notify)
 
     def post_regions(self, p: Target, regions: Regions, slab: int,
                      notify: bytes | None) -> object | None:
         if slab not in p.recv_ptrs:
             raise InvalidRequestError(f"rank {p.rank} has not shared a receive slab {slab}")
-        key = (slab, regions)
+        key = (slab, regions, bool(notify))
         h = p.direct.get(key)
         if h is None:
             mem, dev = self._pool_of(regions)
