@@ -77,17 +77,27 @@ def _batch(replica: Replica, prompts: list[list[int]]) -> dict[str, Any]:
     return _batch_figures(g.ttfts, g.tokens, g.seconds)
 
 
+def _xavier_pair(model: str, tag: str, port: int, llm_kwargs: dict[str, Any] | None = None,
+                 **b_extra: Any) -> tuple[Replica, Replica]:
+    """A (rank 0, CPU 0, listening on ``port``) and B (rank 1, CPU 1, ``port + 1``) with
+    ``XavierConnector``, each writing its stats to a file of its own; started, not yet
+    ready. ``b_extra``: more of B's connector settings."""
+    stats = f"/tmp/xavier-async-vllm-{tag}-{os.getpid()}-{{r}}-{{tp}}.json"
+    addresses = (f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}")
+
+    def replica(rank: int, **extra: Any) -> Replica:
+        cfg = xavier_config(rank, addresses[rank], [addresses[1 - rank]],
+                            stats_file=stats.replace("{r}", "ab"[rank]), **extra)
+        return Replica(ReplicaSpec(model, str(rank), cfg, llm_kwargs=dict(llm_kwargs or {})),
+                       wait=False)
+
+    return replica(0), replica(1, **b_extra)
+
+
 def xavier_rows(model: str, prefixes: Sequence[int], reps: int, mode: str = "sync",
                 batch: bool = True) -> dict[str, Any]:
     """A (CPU 0) and B (CPU 1) with ``XavierConnector``; B loads in ``mode``."""
-    stats = f"/tmp/xavier-async-vllm-bench-{os.getpid()}-{{r}}-{{tp}}.json"
-    a = Replica(ReplicaSpec(model, "0", xavier_config(0, "127.0.0.1:7511", ["127.0.0.1:7512"],
-                                                       stats_file=stats.replace("{r}", "a")),
-                            llm_kwargs=_STATS), wait=False)
-    b = Replica(ReplicaSpec(model, "1", xavier_config(1, "127.0.0.1:7512", ["127.0.0.1:7511"],
-                                                       load_mode=mode,
-                                                       stats_file=stats.replace("{r}", "b")),
-                            llm_kwargs=_STATS), wait=False)
+    a, b = _xavier_pair(model, "bench", 7511, _STATS, load_mode=mode)
     rows: dict[Any, Any] = {"mode": mode}
     try:
         a.wait_ready(), b.wait_ready()
@@ -148,15 +158,9 @@ def serving_rows(model: str) -> dict[str, Any]:
     """A (CPU 0) decodes a batch alone; while B (CPU 1) loads A's prefixes as fast as it
     can (B's own prefix cache reset before each round, so every round loads them all
     again); while B computes prompts of the same length itself (the control: B as busy,
-    A serving nothing); and alone again. A's output tokens/s each time, what B loaded,
-    and A's serving stages. B's first tokens are compared with A's own answers."""
-    stats = f"/tmp/xavier-async-vllm-serving-{os.getpid()}-{{r}}-{{tp}}.json"
-    a = Replica(ReplicaSpec(model, "0", xavier_config(0, "127.0.0.1:7521", ["127.0.0.1:7522"],
-                                                       stats_file=stats.replace("{r}", "a"))),
-                wait=False)
-    b = Replica(ReplicaSpec(model, "1", xavier_config(1, "127.0.0.1:7522", ["127.0.0.1:7521"],
-                                                       stats_file=stats.replace("{r}", "b"))),
-                wait=False)
+    A serving nothing); and alone again. A's output tokens/s each time and what B loaded.
+    B's first tokens are compared with A's own answers."""
+    a, b = _xavier_pair(model, "serving", 7521)
     rng = random.Random(3)
 
     def decode() -> float:
@@ -202,9 +206,9 @@ def serving_rows(model: str) -> dict[str, Any]:
         def compute_round() -> None:
             b.generate([_ids(rng, SERVED_PREFIX) + [7] for _ in held], 1)
 
-        before, a_before = b.stats(), a.stats()
+        before = b.stats()
         serving, rounds, seconds = decode_during(load_round)
-        after, a_after = b.stats(), a.stats()
+        after = b.stats()
         control, control_rounds, _ = decode_during(compute_round)
         alone.append(decode())
         moved = after["bytes_loaded"] - before["bytes_loaded"]
@@ -215,10 +219,7 @@ def serving_rows(model: str) -> dict[str, Any]:
                 "loads": after["loads"] - before["loads"],
                 "load_failures": after["load_failures"] - before["load_failures"],
                 "bytes_loaded": moved, "load_mb_per_s": moved / seconds / 1e6,
-                "first_tokens_equal": equal[0], "first_tokens_of": equal[1],
-                "a_publish_ms_per_step": (a_after["publish_seconds"] - a_before["publish_seconds"])
-                / max(1, a_after["publishes"] - a_before["publishes"]) * 1e3,
-                "stages_a": a_after.get("stages", {})}
+                "first_tokens_equal": equal[0], "first_tokens_of": equal[1]}
     finally:
         a.close()
         b.close()
