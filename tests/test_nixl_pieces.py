@@ -142,8 +142,14 @@ async def test_a_piece_that_notified_once_never_sends_its_notification_again() -
         await a.t.wait(a.t.post(1, m, FULL, b"second"))
         await delivered(b, [(0, b"first"), (0, b"second")])
         assert torch.equal(b.recv.tensor, want)
+        want = fill(a, 10)
+        b.recv.tensor.zero_()
         await a.t.wait(a.t.post(1, m, FULL, None))      # a bare copy in pieces: silent
+        assert torch.equal(b.recv.tensor, want)
+        want = fill(a, 11)
+        b.recv.tensor.zero_()
         assert a.t.post(1, m, PIECE, None) is None      # and a bare whole copy
+        assert torch.equal(b.recv.tensor[:PIECE], want[:PIECE]) and not b.recv.tensor[PIECE:].any()
         for _ in range(20):
             await anyio.lowlevel.checkpoint()
         assert b.host.delivered == [(0, b"first"), (0, b"second")]
