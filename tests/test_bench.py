@@ -431,7 +431,8 @@ def test_slab_counts_reach_the_config():
     assert slab_counts(config_for(None)) == {"receive_slabs": default.receive_slabs,
                                              "send_slabs": default.send_slabs, "merge_loads": True,
                                              "merge_small_bytes": default.small_bytes,
-                                             "small_round_trips": None, "trimmed": False}
+                                             "small_round_trips": None, "trimmed": False,
+                                             "copy_threads": default.copy_threads}
     from xavier_async.bench.serving import endpoint_base
     from xavier_async.bench.suite import BenchOptions
     with pytest.raises(ValueError, match="serving_merge_small"):
@@ -447,6 +448,14 @@ def test_slab_counts_reach_the_config():
             BenchOptions(serving_small_trips=bad)
     assert build_parser().parse_args(["bench", "--serving-small-trips", "1"]).serving_small_trips == 1
     assert build_parser().parse_args(["bench"]).serving_small_trips is None
+    for threads in (0, 3):                                   # --serving-copy-threads: every run
+        o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, serving_copy_threads=threads)
+        assert {slab_counts(config_for(k, m, **endpoint_base(o, m)))["copy_threads"]
+                for k, m in ((1, False), (1, True), (None, True))} == {threads}
+    for bad in (-1, 65, 1.0, True):
+        with pytest.raises(ValueError, match="serving_copy_threads"):
+            BenchOptions(serving_copy_threads=bad)
+    assert build_parser().parse_args(["bench", "--serving-copy-threads", "0"]).serving_copy_threads == 0
     plain = endpoint_base(BenchOptions(full_bytes=FULL, small_bytes=SMALL), True)
     assert plain == {"full_bytes": FULL, "small_bytes": SMALL, "map_eagerly": True}
     assert RUNS == (("seed", 1, False), ("k1", 1, True), ("default", None, True))

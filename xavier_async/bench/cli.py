@@ -47,7 +47,7 @@ EXPERT_FLAGS = ("--full", "--small", "--copies", "--loads", "--trace-batches", "
                 "--alloc-copies", "--alloc-loads", "--no-descriptors", "--no-protocol-floor",
                 "--no-load-timeline", "--seed", "--pin", "--no-pin", "--serving-topology",
                 "--serving-slabs", "--serving-merge-small", "--serving-small-trips",
-                "--serving-trimmed", "--serving-piece-bytes", "--reply-spin", "--serving-rounds", "--serving-host-profile")
+                "--serving-trimmed", "--serving-piece-bytes", "--serving-copy-threads", "--reply-spin", "--serving-rounds", "--serving-host-profile")
 
 
 class _HelpAll(argparse.Action):
@@ -155,6 +155,10 @@ def build_parser(expert: bool = False) -> argparse.ArgumentParser:
                    help="NixlTransport(piece_bytes=...) of the serving section's endpoints (a "
                         "larger host copy is posted in pieces of this size; 0: whole); "
                         "default: the transport's default (0)")
+    b.add_argument("--serving-copy-threads", type=int, metavar="N", default=None,
+                   help="EndpointConfig.copy_threads of the serving section's endpoints (0: "
+                        "every host pack and unpack on the event loop); default: the engine's "
+                        "default (2)")
     b.add_argument("--reply-spin", type=float, metavar="SECONDS", default=None,
                    help="EndpointConfig.reply_spin of the load rows' endpoints (how long a lone "
                         "small load polls for its reply itself; 0: never); default: the "
@@ -271,6 +275,7 @@ def _bench(args: argparse.Namespace) -> int:
                             serving_merge_small=args.serving_merge_small,
                             serving_trimmed=args.serving_trimmed,
                             serving_piece_bytes=args.serving_piece_bytes,
+                            serving_copy_threads=args.serving_copy_threads,
                             reply_spin=args.reply_spin,
                             serving_host_profile=args.serving_host_profile,
                             serving_rounds=args.serving_rounds,

@@ -79,6 +79,9 @@ class BenchOptions:
     #: ``NixlTransport(piece_bytes=...)`` of every serving endpoint (None: its default;
     #: 0: every copy posted whole)
     serving_piece_bytes: int | None = None
+    #: ``EndpointConfig.copy_threads`` of every serving endpoint (None: the engine's default;
+    #: 0: every host copy on the event loop)
+    serving_copy_threads: int | None = None
     #: ``EndpointConfig.reply_spin`` of the load rows' endpoints (None: the engine's default)
     reply_spin: float | None = None
     #: count each serving process's host time per callback and engine function, per phase
@@ -110,6 +113,10 @@ class BenchOptions:
                                                      or self.serving_piece_bytes < 0):
             raise ValueError("serving_piece_bytes must be an int >= 0, got "
                              f"{self.serving_piece_bytes!r}")
+        if self.serving_copy_threads is not None and (
+                type(self.serving_copy_threads) is not int or not 0 <= self.serving_copy_threads <= 64):
+            raise ValueError("serving_copy_threads must be an int from 0 to 64, got "
+                             f"{self.serving_copy_threads!r}")
         if self.reply_spin is not None:  # (InvalidRequestError is a ValueError)
             check_number("reply_spin", self.reply_spin, maximum=MAX_REPLY_SPIN)
         if type(self.serving_rounds) is not int or not 1 <= self.serving_rounds <= 100:

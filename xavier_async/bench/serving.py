@@ -110,13 +110,15 @@ def config_for(k: int | None, merge: bool = True, **base: Any) -> EndpointConfig
 
 def endpoint_base(o: BenchOptions, merge: bool) -> dict[str, Any]:
     """The EndpointConfig fields of every endpoint of a run, before K and merging: the
-    sizes, ``--serving-trimmed``, ``--serving-merge-small`` and ``--serving-small-trips``
+    sizes, ``--serving-trimmed``, ``--serving-copy-threads``, ``--serving-merge-small`` and ``--serving-small-trips``
     (merged runs only), and every
     (send slab, view, receive slab) mapped as peers join, as a serving engine would
     configure it (registrations are then flat whatever pairs the traffic uses)."""
     base: dict[str, Any] = dict(full_bytes=o.full_bytes, small_bytes=o.small_bytes, map_eagerly=True)
     if o.serving_trimmed:
         base["trimmed"] = True
+    if o.serving_copy_threads is not None:
+        base["copy_threads"] = o.serving_copy_threads
     if merge and o.serving_merge_small is not None:
         base["merge_small_bytes"] = o.serving_merge_small
     if merge and o.serving_small_trips is not None:
@@ -135,7 +137,7 @@ def slab_counts(cfg: EndpointConfig) -> dict[str, Any]:
     return {"receive_slabs": cfg.receive_slabs, "send_slabs": cfg.send_slabs,
             "merge_loads": cfg.merge_loads, "merge_small_bytes": cfg.merge_small_bytes,
             "small_round_trips": cfg.small_round_trips,
-            "trimmed": cfg.trimmed}
+            "trimmed": cfg.trimmed, "copy_threads": cfg.copy_threads}
 
 
 # -- loads --------------------------------------------------------------------------------------
@@ -693,6 +695,7 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
              + ("; host copies posted whole" if d.get("piece_bytes") == 0 else
                 f"; host copies over {d['piece_bytes'] / MiB:g} MiB posted in pieces"
                 if d.get("piece_bytes") else "")
+             + (f"; {d['copy_threads']} copy threads" if d.get("copy_threads", EndpointConfig.copy_threads) != EndpointConfig.copy_threads else "")
              + (f"; at most {d['small_round_trips']} small round trips per source"
                 if d.get("small_round_trips") else "")
              + (f"; the median of {s['rounds']} alternating rounds" if s.get("rounds", 1) > 1 else ""))
