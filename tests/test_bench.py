@@ -425,7 +425,7 @@ def test_slab_counts_reach_the_config():
                                                            "merge_loads": True,
                                                            "merge_small_bytes": small,
                                                            "small_round_trips": None,
-                                                           "trimmed": False}
+                                                           "trimmed": False, "copy_threads": 2}
     assert slab_counts(config_for(3, full_bytes=FULL, merge_small_bytes=FULL))["merge_small_bytes"] == FULL
     default = EndpointConfig()
     assert slab_counts(config_for(None)) == {"receive_slabs": default.receive_slabs,
