@@ -4,7 +4,9 @@ A pack (the source's gather into its send slab) or unpack (the receiver's scatte
 the caches) of host memory with at least ``EndpointConfig.copy_thread_bytes`` bytes runs
 on one of ``EndpointConfig.copy_threads`` threads. ``memmove`` and torch's copies release
 the GIL, so meanwhile the event loop keeps polling notifications and serving and loading
-small batches; it only hands the copy over and is woken when it ends.
+small batches; it only hands the copy over and is woken when it ends. A table of many
+small runs is copied there in a few system calls (:mod:`xavier_async.hostcopy`), so that
+the thread does not wait for the GIL once a run.
 
 The contract is the loop's own: a started copy is never abandoned. Its wait is shielded,
 so a cancellation that arrives meanwhile is delivered once the copy has ended, and close
@@ -22,6 +24,7 @@ from typing import TypeVar
 import anyio
 
 from .errors import EndpointClosedError
+from .hostcopy import mark_copy_thread
 
 T = TypeVar("T")
 
@@ -59,7 +62,7 @@ class CopyThreads:
             raise EndpointClosedError("the endpoint's copy threads are closed")
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.threads, thread_name_prefix="xavier-copy")
+                self.threads, thread_name_prefix="xavier-copy", initializer=mark_copy_thread)
         done = anyio.Event()
         wake = _waker()
         fut = self._pool.submit(fn, *args)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .hostcopy import copy_runs
 from .layout import LayerId
 from .planning import Segment
 
@@ -329,10 +330,9 @@ def pack_table(slab_ptr: int, segments: Sequence[Segment], slot_lists: Sequence[
 
 
 def run_host(table: RunTable) -> None:
-    """Execute a run table on host memory: one pass of ``memmove``."""
-    mm = _memmove
-    for d, s, n in zip(*table):
-        mm(d, s, n)
+    """Execute a run table on host memory: many runs in a few system calls with the GIL
+    released once each, few runs as ``memmove`` calls (:func:`~xavier_async.hostcopy.copy_runs`)."""
+    copy_runs(*table)
 
 
 class DeviceRuns:
