@@ -18,7 +18,7 @@ LAYERS = {
     "core": ["errors", "_checks", "sizes", "policy", "lifecycle", "config", "layout", "planning",
              "merging", "protocol", "decision", "snapshot_index", "retry", "metrics", "stages", "diagram"],
     "shell": ["shielded", "slabs", "fairpool", "recvslabs", "tasks", "packing", "_triton_runs",
-              "channel", "copythreads", "runtime", "peers", "snapshots", "scheduling", "receiver", "source", "endpoint",
+              "channel", "copythreads", "hostcopy", "runtime", "peers", "snapshots", "scheduling", "receiver", "source", "endpoint",
               "_internal", "__init__"],
     "transports": ["transports"],
     "testing": ["testing"],
