@@ -3,10 +3,11 @@
 A run table of host memory is executed as a loop of ``memmove`` calls (``ctypes``), and
 each call releases and takes back the GIL. On the event loop's thread that costs ~0.3 us
 a run. On a copy thread it costs a GIL hand-off a run whenever the loop thread wants the
-GIL meanwhile: a scattered 12 MiB table (1,536 runs of 8 KiB) took 753 ms on the 2-core
-machine against 2.7 ms while the other thread ran Python without pause, and the serving
-bench's large unpacks on copy threads took 2.5-15 ms (p50) on a 16-core host against
-1.2 ms on the loop (``docs/benchmarks.md``).
+GIL meanwhile: on the 2-core machine a scattered 12 MiB table (1,536 runs of 8 KiB) took
+932 ms on one copy thread while another thread ran Python without pause, against 2.9 ms
+beside an idle one (``scripts/copy_thread_gil.py``), and the serving bench's large unpacks
+on copy threads took 2.5 ms at p50 (11 ms mean) on a 16-core host against 1.25 ms on the
+loop (``docs/benchmarks.md``).
 
 :func:`copy_runs` hands a whole table to the kernel instead: ``process_vm_readv`` on our
 own process copies up to ``IOV_MAX`` (1,024) runs per call, gathering from the sources
