@@ -117,9 +117,9 @@ def run(design: str, sync: str | None, seconds: float) -> tuple[list[float], flo
     lat: list[float] = []
     seq, t_end = 0, time.perf_counter() + seconds - 0.05
     while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        agent.send_notif("A", b"S%d" % seq)
         want = b"S%d" % seq
+        t0 = time.perf_counter()
+        agent.send_notif("A", want)
         while True:
             got = [m for msgs in agent.get_new_notifs().values() for m in msgs]
             if want in got:

@@ -108,10 +108,7 @@ def _source(conn, runs: int, run: int) -> None:  # type: ignore[no-untyped-def]
             elif design == "push into cache":
                 h = to_cache[k]
                 _wait(agent, h, agent.transfer(h, b"%d" % k))
-            elif design.startswith("pull into cache"):
-                agent.send_notif("B", b"%d" % k)
-            # "pull cache to cache": B reads on its own; A only hands credits around
-            else:
+            else:        # the pulls: B READs on its own once told which slab is ready
                 agent.send_notif("B", b"%d" % k)
         _notifs(agent, SLABS - len(credits), got)
         conn.send("done")
