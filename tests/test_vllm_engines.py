@@ -2,8 +2,10 @@
 of its own, with a small Qwen2 of real random weights made at test time.
 
 A computes prompts; B and C (B loading inside the step, C between steps) are given
-prompts that share A's prefixes and load them from A over NIXL (``verify=True``: every
-batch's digest is checked on arrival). Tokens are compared with A computing the same
+prompts that share A's prefixes and load them from A over NIXL. B loads with
+``verify=True`` (every batch's digest is checked on arrival: A gathers them into a send
+slab); C without, so that A writes C's loads straight from its snapshot store (the
+connector's default on host memory: ``direct_write_regions``). Tokens are compared with A computing the same
 prompt itself. Then A's snapshot store evicts, A freezes (SIGSTOP) and A dies (SIGKILL):
 the answers stay right and nothing hangs. The replicas are shared by the module's tests,
 which run in order (the last one kills A)."""
@@ -36,16 +38,16 @@ def replicas(tmp_path_factory):
     model = make_model(d / "model")
     stats = str(d / "stats-{rank}-{tp}.json")
 
-    def spec(rank: int, cpus: str, **extra: object) -> ReplicaSpec:
+    def spec(rank: int, cpus: str, verify: bool = True, **extra: object) -> ReplicaSpec:
         peers = [address(r) for r in PORTS if r != rank]
-        cfg = xavier_config(rank, address(rank), peers, verify=True, load_timeout=1.5,
+        cfg = xavier_config(rank, address(rank), peers, verify=verify, load_timeout=1.5,
                             stats_file=stats.replace("{rank}", str(rank)), **extra)
         return ReplicaSpec(model, cpus, cfg)
 
     # A's store holds 12 blocks and no host tier, so a third long prompt evicts the first
     started = [Replica(spec(0, "0", snapshot_bytes=12 * BLOCK_BYTES, host_snapshot_bytes=0), wait=False),
                Replica(spec(1, "1"), wait=False),
-               Replica(spec(2, "1", load_mode="async"), wait=False)]
+               Replica(spec(2, "1", verify=False, load_mode="async"), wait=False)]
     try:
         a, b, c = (r.wait_ready() for r in started)
         yield a, b, c
@@ -72,10 +74,12 @@ def test_b_and_c_load_a_s_prefix_and_decode_the_same_tokens(replicas):
     settle()
     for replica, suffix in ((b, 3), (c, 4)):
         prompt = prefix + tokens(suffix, 7)
-        before = replica.stats()
+        before, direct = replica.stats(), a.stats().get("direct_writes", 0)
         got = replica.generate([prompt], 8)
         want = a.generate([prompt], 8)                  # A: the prefix is its own computation
         after = replica.stats()
+        # B's digests need A's gather; C's load is written straight from A's store
+        assert a.stats()["direct_writes"] - direct == (1 if replica is c else 0)
         assert got.tokens == want.tokens
         assert got.cached_tokens == [8 * BLOCK]         # vLLM counts the loaded prefix as cached
         assert after["blocks_loaded"] - before["blocks_loaded"] == 8

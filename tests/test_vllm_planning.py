@@ -14,6 +14,7 @@ from xavier_async import InvalidRequestError, LayoutMismatchError
 from xavier_async.protocol import Announce, ProtocolError, announce_wires, decode
 from xavier_async.vllm import ConnectorSettings, Directory, Hit, StepPlan
 from xavier_async.vllm.feed import apply, snapshot
+from xavier_async.vllm.settings import HOST_DIRECT_WRITE_REGIONS
 from xavier_async.vllm.kvlayout import endpoint_caches
 from xavier_async.vllm.scheduler import SchedulerSide, block_key
 
@@ -33,6 +34,13 @@ def test_the_contract_keys_parse_with_defaults():
     # the store's pages are touched at start: no publish pays first-touch faults
     assert s.prefault_snapshots is True
     assert ConnectorSettings.parse({**BASE, "prefault_snapshots": False}).prefault_snapshots is False
+    # host caches serve from the store by direct writes of up to 64 regions (the gather is
+    # the engine's CPU time); a GPU keeps the library's default; a value given is used
+    assert s.direct_write_regions is None
+    assert s.direct_write_regions_for("cpu") == HOST_DIRECT_WRITE_REGIONS == 64
+    assert s.direct_write_regions_for("cuda") is None
+    s0 = ConnectorSettings.parse({**BASE, "direct_write_regions": 0})
+    assert s0.direct_write_regions_for("cpu") == s0.direct_write_regions_for("cuda") == 0
 
 
 @pytest.mark.parametrize("extra,words", [
@@ -58,6 +66,8 @@ def test_the_contract_keys_parse_with_defaults():
     ({**BASE, "poll_hot_window": -1}, "poll_hot_window"),
     ({**BASE, "idle_poll": 0}, "idle_poll"),
     ({**BASE, "prefault_snapshots": 1}, "prefault_snapshots"),
+    ({**BASE, "direct_write_regions": -1}, "direct_write_regions"),
+    ({**BASE, "direct_write_regions": 2.5}, "direct_write_regions"),
     ({**BASE, "rnak": 1}, "unknown"),
 ])
 def test_bad_settings_name_the_key(extra, words):

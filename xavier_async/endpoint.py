@@ -115,6 +115,13 @@ class Endpoint:
         return self._source.slabs[0] if self._source.slabs else None
 
     @property
+    def direct_writes(self) -> int:
+        """Serves written straight from the snapshot store into a peer's receive slab,
+        with no gather (``EndpointConfig.direct_write_regions``); also in
+        :meth:`snapshot_metrics`. A plain count: safe to read from another thread."""
+        return self._source.direct_writes
+
+    @property
     def recv_slab(self) -> Slab | None:
         """The receive slab the next load would be written into (``None`` while every one
         is in use; a fenced one leaves the pool: see :attr:`recv_slab_stats`)."""

@@ -16,10 +16,14 @@ from ..errors import InvalidRequestError
 MiB: Final = 1 << 20
 #: how loads run: inside the step that needs them, or between steps (see docs/integration.md)
 LOAD_MODES: Final = ("sync", "async")
+#: ``direct_write_regions`` a replica whose KV caches are host memory serves with when the
+#: key is left out: inside an engine the gather into a send slab is the engine's own CPU
+#: time (docs/benchmarks.md, "Direct writes inside vLLM")
+HOST_DIRECT_WRITE_REGIONS: Final = 64
 _KEYS: Final = frozenset({
     "rank", "listen", "peers", "secret", "verify", "load_mode", "snapshot_bytes",
     "host_snapshot_bytes", "connect_timeout", "load_timeout", "min_load_blocks", "stats_file",
-    "poll_hot_window", "idle_poll", "prefault_snapshots"})
+    "poll_hot_window", "idle_poll", "prefault_snapshots", "direct_write_regions"})
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,20 @@ class ConnectorSettings:
     #: a publish into untouched DRAM paid page faults every step (1.34 ms against 0.18 ms
     #: for 4 MiB), until the store had been filled once
     prefault_snapshots: bool = True
+    #: a serve from the snapshot store in at most this many regions is written straight
+    #: from the store, with no gather (``EndpointConfig.direct_write_regions``; 0: always
+    #: gather). ``None``: :data:`HOST_DIRECT_WRITE_REGIONS` (64) for caches in host memory,
+    #: where it kept a decoding replica at 0.71-0.72 of its decode alone while a peer
+    #: loaded its prefixes, against 0.60-0.61 with gathers; the library's default (2) on a
+    #: GPU, where the gather is a kernel, not CPU time
+    direct_write_regions: int | None = None
+
+    def direct_write_regions_for(self, device_type: str) -> int | None:
+        """The ``EndpointConfig.direct_write_regions`` for caches on ``device_type``
+        (``None``: the library's default there)."""
+        if self.direct_write_regions is not None:
+            return self.direct_write_regions
+        return HOST_DIRECT_WRITE_REGIONS if device_type == "cpu" else None
 
     @property
     def host(self) -> str:
@@ -131,7 +149,14 @@ class ConnectorSettings:
                    _seconds("poll_hot_window", extra.get("poll_hot_window", 0.0), zero=True),
                    _seconds("idle_poll", extra.get("idle_poll", 0.0005)),
                    check_bool("kv_connector_extra_config['prefault_snapshots']",
-                              extra.get("prefault_snapshots", True)))
+                              extra.get("prefault_snapshots", True)),
+                   _regions(extra.get("direct_write_regions")))
+
+
+def _regions(value: Any) -> int | None:
+    if value is None:
+        return None
+    return check_int("kv_connector_extra_config['direct_write_regions']", value, minimum=0)
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -80,6 +80,7 @@ class WorkerSide:
         self._feed: FeedClient | None = None
         self._closed = False
         self._stats_dirty = True
+        self._direct_written = 0
 
     # -- start and stop -----------------------------------------------------------------
     def start(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
@@ -101,11 +102,12 @@ class WorkerSide:
             self._feed = FeedClient(feed_name(self.settings.listen), self._full_mirror)
         self.write_stats()
 
-    def _config(self) -> EndpointConfig:
+    def _config(self, device_type: str) -> EndpointConfig:
         s = self.settings
         kw: dict[str, Any] = dict(snapshot_gpu_bytes=s.snapshot_bytes, verify=s.verify,
                                   request_timeout=s.load_timeout,
-                                  snapshot_prefault=s.prefault_snapshots)
+                                  snapshot_prefault=s.prefault_snapshots,
+                                  direct_write_regions=s.direct_write_regions_for(device_type))
         if s.host_snapshot_bytes is not None:
             kw["snapshot_cpu_bytes"] = s.host_snapshot_bytes
         return EndpointConfig(**kw)
@@ -118,7 +120,8 @@ class WorkerSide:
         transport = NixlTransport(host=host.strip("[]"), port=int(port), secret=s.secret,
                                   hot_window=s.poll_hot_window, idle_poll=s.idle_poll)
         self._stop = anyio.Event()
-        async with Endpoint(s.rank, caches, transport, self._config()) as ep:
+        device = next(iter(caches.values())).device.type
+        async with Endpoint(s.rank, caches, transport, self._config(device)) as ep:
             ep.watch(self)
             async with anyio.create_task_group() as tg:
                 self._ep, self._tg = ep, tg
@@ -321,7 +324,7 @@ class WorkerSide:
             sending = {rid for rid in self._delayed if rid not in self._async}
             self._delayed -= sending
             recv -= sending
-        if self._stats_dirty:
+        if self._stats_dirty or (self.stats_file and self._direct_writes() != self._direct_written):
             self.write_stats()
         return (sending or None), (recv or None)
 
@@ -330,11 +333,17 @@ class WorkerSide:
             out, self._report_errors = self._report_errors, set()
         return out
 
+    def _direct_writes(self) -> int:
+        """Serves this replica wrote straight from its snapshot store (a count the loop
+        thread bumps; read from the engine's thread)."""
+        return self._ep.direct_writes if self._ep is not None else 0
+
     def write_stats(self) -> None:
         """Write the stats as JSON to ``stats_file`` (when one is configured)."""
         self._stats_dirty = False
         if not self.stats_file:
             return
+        self._direct_written = direct = self._direct_writes()
         tmp = f"{self.stats_file}.{os.getpid()}.{threading.get_ident()}.tmp"
         with self._mirror_lock:
             held = {str(p): _digest(self.mirror.keys_of(p)) for p in self.mirror.peers}
@@ -344,7 +353,8 @@ class WorkerSide:
         with open(tmp, "w") as f:
             json.dump(dict(self.stats, peers=list(ep.peers) if ep else [],
                            directory_keys=keys, directory_digests=held,
-                           published_digest=_digest(self._published), stages=stages), f)
+                           published_digest=_digest(self._published), stages=stages,
+                           direct_writes=direct), f)
         os.replace(tmp, self.stats_file)
 
 
