@@ -425,14 +425,16 @@ def test_slab_counts_reach_the_config():
                                                            "merge_loads": True,
                                                            "merge_small_bytes": small,
                                                            "small_round_trips": None,
-                                                           "trimmed": False, "copy_threads": 2}
+                                                           "trimmed": False, "copy_threads": 2,
+                                                           "direct_write_regions": None}
     assert slab_counts(config_for(3, full_bytes=FULL, merge_small_bytes=FULL))["merge_small_bytes"] == FULL
     default = EndpointConfig()
     assert slab_counts(config_for(None)) == {"receive_slabs": default.receive_slabs,
                                              "send_slabs": default.send_slabs, "merge_loads": True,
                                              "merge_small_bytes": default.small_bytes,
                                              "small_round_trips": None, "trimmed": False,
-                                             "copy_threads": default.copy_threads}
+                                             "copy_threads": default.copy_threads,
+                                             "direct_write_regions": None}
     from xavier_async.bench.serving import endpoint_base
     from xavier_async.bench.suite import BenchOptions
     with pytest.raises(ValueError, match="serving_merge_small"):
@@ -456,6 +458,15 @@ def test_slab_counts_reach_the_config():
         with pytest.raises(ValueError, match="serving_copy_threads"):
             BenchOptions(serving_copy_threads=bad)
     assert build_parser().parse_args(["bench", "--serving-copy-threads", "0"]).serving_copy_threads == 0
+    for regions in (0, 64):                                  # --serving-direct-write-regions: every run
+        o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, serving_direct_write_regions=regions)
+        assert {slab_counts(config_for(k, m, **endpoint_base(o, m)))["direct_write_regions"]
+                for k, m in ((1, False), (1, True), (None, True))} == {regions}
+    for bad in (-1, 4097, 1.0, True):
+        with pytest.raises(ValueError, match="serving_direct_write_regions"):
+            BenchOptions(serving_direct_write_regions=bad)
+    assert build_parser().parse_args(
+        ["bench", "--serving-direct-write-regions", "64"]).serving_direct_write_regions == 64
     plain = endpoint_base(BenchOptions(full_bytes=FULL, small_bytes=SMALL), True)
     assert plain == {"full_bytes": FULL, "small_bytes": SMALL, "map_eagerly": True}
     assert RUNS == (("seed", 1, False), ("k1", 1, True), ("default", None, True))

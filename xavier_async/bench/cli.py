@@ -47,7 +47,7 @@ EXPERT_FLAGS = ("--full", "--small", "--copies", "--loads", "--trace-batches", "
                 "--alloc-copies", "--alloc-loads", "--no-descriptors", "--no-protocol-floor",
                 "--no-load-timeline", "--seed", "--pin", "--no-pin", "--serving-topology",
                 "--serving-slabs", "--serving-merge-small", "--serving-small-trips",
-                "--serving-trimmed", "--serving-piece-bytes", "--serving-copy-threads", "--reply-spin", "--serving-rounds", "--serving-host-profile")
+                "--serving-trimmed", "--serving-piece-bytes", "--serving-copy-threads", "--serving-direct-write-regions", "--reply-spin", "--serving-rounds", "--serving-host-profile")
 
 
 class _HelpAll(argparse.Action):
@@ -159,6 +159,11 @@ def build_parser(expert: bool = False) -> argparse.ArgumentParser:
                    help="EndpointConfig.copy_threads of the serving section's endpoints (0: "
                         "every host pack and unpack on the event loop); default: the engine's "
                         "default (2)")
+    b.add_argument("--serving-direct-write-regions", type=int, metavar="N", default=None,
+                   help="EndpointConfig.direct_write_regions of the serving section's endpoints "
+                        "(a serve from the store in at most N regions is written straight from "
+                        "it, no gather; 0: always gather); default: the engine's default for "
+                        "the device (0 on the CPU)")
     b.add_argument("--reply-spin", type=float, metavar="SECONDS", default=None,
                    help="EndpointConfig.reply_spin of the load rows' endpoints (how long a lone "
                         "small load polls for its reply itself; 0: never); default: the "
@@ -276,6 +281,7 @@ def _bench(args: argparse.Namespace) -> int:
                             serving_trimmed=args.serving_trimmed,
                             serving_piece_bytes=args.serving_piece_bytes,
                             serving_copy_threads=args.serving_copy_threads,
+                            serving_direct_write_regions=args.serving_direct_write_regions,
                             reply_spin=args.reply_spin,
                             serving_host_profile=args.serving_host_profile,
                             serving_rounds=args.serving_rounds,

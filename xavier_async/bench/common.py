@@ -82,6 +82,9 @@ class BenchOptions:
     #: ``EndpointConfig.copy_threads`` of every serving endpoint (None: the engine's default;
     #: 0: every host copy on the event loop)
     serving_copy_threads: int | None = None
+    #: ``EndpointConfig.direct_write_regions`` of every serving endpoint (None: the
+    #: engine's default for the caches' device; 0: always gather)
+    serving_direct_write_regions: int | None = None
     #: ``EndpointConfig.reply_spin`` of the load rows' endpoints (None: the engine's default)
     reply_spin: float | None = None
     #: count each serving process's host time per callback and engine function, per phase
@@ -117,6 +120,11 @@ class BenchOptions:
                 type(self.serving_copy_threads) is not int or not 0 <= self.serving_copy_threads <= 64):
             raise ValueError("serving_copy_threads must be an int from 0 to 64, got "
                              f"{self.serving_copy_threads!r}")
+        if self.serving_direct_write_regions is not None and (
+                type(self.serving_direct_write_regions) is not int
+                or not 0 <= self.serving_direct_write_regions <= 4096):
+            raise ValueError("serving_direct_write_regions must be an int from 0 to 4096, got "
+                             f"{self.serving_direct_write_regions!r}")
         if self.reply_spin is not None:  # (InvalidRequestError is a ValueError)
             check_number("reply_spin", self.reply_spin, maximum=MAX_REPLY_SPIN)
         if type(self.serving_rounds) is not int or not 1 <= self.serving_rounds <= 100:

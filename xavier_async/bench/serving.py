@@ -110,7 +110,8 @@ def config_for(k: int | None, merge: bool = True, **base: Any) -> EndpointConfig
 
 def endpoint_base(o: BenchOptions, merge: bool) -> dict[str, Any]:
     """The EndpointConfig fields of every endpoint of a run, before K and merging: the
-    sizes, ``--serving-trimmed``, ``--serving-copy-threads``, ``--serving-merge-small`` and ``--serving-small-trips``
+    sizes, ``--serving-trimmed``, ``--serving-copy-threads``,
+    ``--serving-direct-write-regions``, ``--serving-merge-small`` and ``--serving-small-trips``
     (merged runs only), and every
     (send slab, view, receive slab) mapped as peers join, as a serving engine would
     configure it (registrations are then flat whatever pairs the traffic uses)."""
@@ -119,6 +120,8 @@ def endpoint_base(o: BenchOptions, merge: bool) -> dict[str, Any]:
         base["trimmed"] = True
     if o.serving_copy_threads is not None:
         base["copy_threads"] = o.serving_copy_threads
+    if o.serving_direct_write_regions is not None:
+        base["direct_write_regions"] = o.serving_direct_write_regions
     if merge and o.serving_merge_small is not None:
         base["merge_small_bytes"] = o.serving_merge_small
     if merge and o.serving_small_trips is not None:
@@ -137,7 +140,8 @@ def slab_counts(cfg: EndpointConfig) -> dict[str, Any]:
     return {"receive_slabs": cfg.receive_slabs, "send_slabs": cfg.send_slabs,
             "merge_loads": cfg.merge_loads, "merge_small_bytes": cfg.merge_small_bytes,
             "small_round_trips": cfg.small_round_trips,
-            "trimmed": cfg.trimmed, "copy_threads": cfg.copy_threads}
+            "trimmed": cfg.trimmed, "copy_threads": cfg.copy_threads,
+            "direct_write_regions": cfg.direct_write_regions}
 
 
 # -- loads --------------------------------------------------------------------------------------
@@ -696,6 +700,8 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
                 f"; host copies over {d['piece_bytes'] / MiB:g} MiB posted in pieces"
                 if d.get("piece_bytes") else "")
              + (f"; {d['copy_threads']} copy threads" if d.get("copy_threads", EndpointConfig.copy_threads) != EndpointConfig.copy_threads else "")
+             + (f"; direct writes of up to {d['direct_write_regions']} regions"
+                if d.get("direct_write_regions") else "")
              + (f"; at most {d['small_round_trips']} small round trips per source"
                 if d.get("small_round_trips") else "")
              + (f"; the median of {s['rounds']} alternating rounds" if s.get("rounds", 1) > 1 else ""))
