@@ -18,7 +18,7 @@ MiB: Final = 1 << 20
 LOAD_MODES: Final = ("sync", "async")
 #: ``direct_write_regions`` a replica whose KV caches are host memory serves with when the
 #: key is left out: inside an engine the gather into a send slab is the engine's own CPU
-#: time (docs/benchmarks.md, "Direct writes inside vLLM")
+#: time (docs/benchmarks.md, "Direct writes from the snapshot store inside vLLM")
 HOST_DIRECT_WRITE_REGIONS: Final = 64
 _KEYS: Final = frozenset({
     "rank", "listen", "peers", "secret", "verify", "load_mode", "snapshot_bytes",
@@ -71,9 +71,10 @@ class ConnectorSettings:
     #: a serve from the snapshot store in at most this many regions is written straight
     #: from the store, with no gather (``EndpointConfig.direct_write_regions``; 0: always
     #: gather). ``None``: :data:`HOST_DIRECT_WRITE_REGIONS` (64) for caches in host memory,
-    #: where it kept a decoding replica at 0.71-0.72 of its decode alone while a peer
-    #: loaded its prefixes, against 0.60-0.61 with gathers; the library's default (2) on a
-    #: GPU, where the gather is a kernel, not CPU time
+    #: where a decoding replica kept 0.64-0.67 of its decode alone while a peer loaded its
+    #: prefixes at 563-610 MB/s, against 0.62-0.64 at 459-472 MB/s with gathers (its pack
+    #: 78 us against 3.0-3.3 ms a 4 MiB load); the library's default (2) on a GPU, where
+    #: the gather is a kernel, not CPU time
     direct_write_regions: int | None = None
 
     def direct_write_regions_for(self, device_type: str) -> int | None:
