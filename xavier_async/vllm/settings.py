@@ -137,10 +137,7 @@ class ConnectorSettings:
                                       f"got {mode!r}")
         snap = check_int("kv_connector_extra_config['snapshot_bytes']",
                          extra.get("snapshot_bytes", 256 * MiB), minimum=0)
-        host_snap = extra.get("host_snapshot_bytes")
-        if host_snap is not None:
-            host_snap = check_int("kv_connector_extra_config['host_snapshot_bytes']", host_snap,
-                                  minimum=0)
+        host_snap = _optional_count("host_snapshot_bytes", extra.get("host_snapshot_bytes"))
         return cls(rank, listen, peers, secret, verify, mode, snap, host_snap,
                    _seconds("connect_timeout", extra.get("connect_timeout", 2.0)),
                    _seconds("load_timeout", extra.get("load_timeout", 5.0)),
@@ -151,13 +148,14 @@ class ConnectorSettings:
                    _seconds("idle_poll", extra.get("idle_poll", 0.0005)),
                    check_bool("kv_connector_extra_config['prefault_snapshots']",
                               extra.get("prefault_snapshots", True)),
-                   _regions(extra.get("direct_write_regions")))
+                   _optional_count("direct_write_regions", extra.get("direct_write_regions")))
 
 
-def _regions(value: Any) -> int | None:
+def _optional_count(key: str, value: Any) -> int | None:
+    """An optional key's int >= 0 (``None``: left out, the default applies)."""
     if value is None:
         return None
-    return check_int("kv_connector_extra_config['direct_write_regions']", value, minimum=0)
+    return check_int(f"kv_connector_extra_config['{key}']", value, minimum=0)
 
 
 def split_address(address: str) -> tuple[str, int]:
