@@ -460,14 +460,26 @@ def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
     return sum(v & 1 for v in vec), n
 
 
+def _trim_heap() -> None:
+    import ctypes
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 @pytest.mark.parametrize("prefault", [False, True])
 async def test_snapshot_prefault_touches_the_tiers_at_start_and_keeps_the_bytes(prefault):
     """``snapshot_prefault``: both tiers' pages are resident before any publish (no
     first-touch page fault in a publish); without it the untouched tiers stay mostly
     unbacked. Loads still return the published bytes."""
     src = _caches(3)
-    big = 16384   # blocks a tier: 48 MiB (beyond glibc's largest mmap threshold: fresh pages)
-    async with cluster([_zeros(), src], _cfg(big, big, snapshot_prefault=prefault)) as (a, b):
+    big = 16384   # blocks a tier: 48 MiB
+    caches, cfg = [_zeros(), src], _cfg(big, big, snapshot_prefault=prefault)
+    # glibc serves a large request from free heap memory when it has that much, touched
+    # by earlier tests (their frees raise its mmap and trim thresholds): hand that memory
+    # back first (malloc_trim drops free pages), so that an untouched tier is unbacked.
+    _trim_heap()
+    async with cluster(caches, cfg) as (a, b):
         store = b._source.store
         for pool in (store.device_pool, store.host_pool):
             resident, total = _resident_pages(pool)
