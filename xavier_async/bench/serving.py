@@ -49,6 +49,7 @@ import statistics
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from time import perf_counter
 from typing import Any
 
 import anyio
@@ -63,6 +64,7 @@ from ..testing.hostprof import HostProfile
 from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requests, pattern_caches, \
     replay_loads, replay_open_loop, split_caches, zero_caches
 from ..transports.nixl_copies import PIECE_BYTES
+from . import schedstat
 from .raw import RAW_COPIES, raw_floor
 from .soak import _rss_kib
 from .common import BenchOptions, bench_layout, make_trace, nearest_rank, stats, target
@@ -422,9 +424,17 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
             peer_t: dict[str, Timing] = {}
             stages: dict[str, Any] = {}
             host_time: dict[str, Any] = {}
+            cpu: dict[str, Any] = {}   # per phase, per process: on a core / waiting for one
+
+            def cpu_since(phase: str, before: schedstat.Sample, t0: float) -> None:
+                if before:
+                    cpu[phase] = schedstat.delta(before, schedstat.sample(pids), perf_counter() - t0)
+
             await ph.run(phases["warm"], CONCURRENCY, theirs("warm"))
             regs0, mem0 = await registrations(), rss()
+            s0, t0 = schedstat.sample(pids), perf_counter()
             mine["unloaded"], _ = await ph.run(phases["unloaded"], 1)
+            cpu_since("unloaded", s0, t0)
             if duplex:  # rank 1's unloaded latencies: its loads alone, one at a time
                 _, pt = await ph.run([], 1, theirs("unloaded"))
                 assert pt is not None
@@ -437,7 +447,9 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
                     if profile is not None:
                         host_time[phase] = await host_times(reset=False)
 
+                s0, t0 = schedstat.sample(pids), perf_counter()
                 mine[name], pt = await ph.run(phases[name], CONCURRENCY, theirs(name), replayed)
+                cpu_since(name, s0, t0)
                 after = await stage_snapshots()
                 stages[name] = {proc: stage_summary(after[proc].minus(before[proc]).as_dict())
                                 for proc in after}
@@ -446,7 +458,9 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
             # the mixed trace again, open loop: Poisson arrivals at half the rate it ran at
             # closed loop above (issue 24's latency under load)
             rate = 0.5 * len(phases["mixed"]) / mine["mixed"][1]
+            s0, t0 = schedstat.sample(pids), perf_counter()
             mine["open_loop"], _ = await ph.run(phases["mixed"], CONCURRENCY, rate=rate)
+            cpu_since("open_loop", s0, t0)
             regs1, mem1 = await registrations(), rss()
     full_rate = o.full_bytes / (floor["median_us"] * 1e-6)
     out = {**slab_counts(cfg), "topology": "duplex" if duplex else "three",
@@ -470,6 +484,8 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
         # per phase, per process: each stage's host time during that phase
         "stages": stages,
         **({"host_time": host_time} if profile is not None else {}),
+        # per phase, per process: cpu seconds and seconds runnable but waiting for a core
+        **({"cpu": cpu} if cpu else {}),
         # check_phase raises on a wrong byte: reaching here means every block matched
         "bytes_checked": {"loads": ph.loads_checked, "blocks": ph.blocks_checked, "ok": True},
     })
@@ -669,6 +685,15 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
         row("max RSS growth (KiB)", lambda r: max(r["rss_growth_bytes"].values()) / 1024, "{:.0f}"),
         row("blocks checked", lambda r: r["bytes_checked"]["blocks"], "{}"),
     ]
+    if all("cpu" in r and "open_loop" in r["cpu"] for r in (seed, k1, d)):
+        # the host itself: how many cores the processes kept busy, and how long their
+        # threads sat runnable without one (Linux schedstat), over the open-loop phase
+        rows += [
+            row("open loop: cores busy (cpu s / wall s, all processes)",
+                lambda r: sum(p["cpu_of_wall"] for p in r["cpu"]["open_loop"].values()), "{:.2f}"),
+            row("open loop: threads waiting for a core (s / wall s)",
+                lambda r: sum(p["runqueue_wait_of_wall"] for p in r["cpu"]["open_loop"].values()), "{:.2f}"),
+        ]
     duplex = s.get("topology") == "duplex"
     if duplex:  # rank 1's own loads, run at the same time as rank 0's
         rows += [

@@ -1,0 +1,45 @@
+"""The bench's per-phase scheduler figures (``xavier_async.bench.schedstat``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from xavier_async.bench import schedstat
+
+
+def test_delta_adds_a_process_threads_and_orders_them_by_cpu():
+    before = {"loader": {"python3": (1_000_000_000, 0), "ucx": (0, 0)}}
+    after = {"loader": {"python3": (1_500_000_000, 250_000_000), "ucx": (1_000_000_000, 50_000_000),
+                        "xa-copy": (100_000_000, 0)}}   # a thread that started meanwhile
+    d = schedstat.delta(before, after, wall_s=2.0, top=2)["loader"]
+    assert d["cpu_s"] == pytest.approx(1.6)
+    assert d["runqueue_wait_s"] == pytest.approx(0.3)
+    assert d["cpu_of_wall"] == pytest.approx(0.8)
+    assert d["runqueue_wait_of_wall"] == pytest.approx(0.15)
+    assert d["threads"] == [["ucx", 1.0, 0.05], ["python3", 0.5, 0.25]]
+
+
+def test_delta_of_an_ended_thread_is_not_negative():
+    d = schedstat.delta({"p": {"t": (5, 5)}}, {"p": {"t": (1, 1)}}, wall_s=1.0)["p"]
+    assert d["cpu_s"] == 0 and d["runqueue_wait_s"] == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists("/proc/self/schedstat"),
+                    reason="Linux schedstat only")
+def test_a_phase_of_busy_work_counts_as_cpu():
+    pid = {"me": os.getpid()}
+    s0, t0 = schedstat.sample(pid), time.perf_counter()
+    stop = t0 + 0.2
+    while time.perf_counter() < stop:
+        pass
+    d = schedstat.delta(s0, schedstat.sample(pid), time.perf_counter() - t0)["me"]
+    assert d["cpu_s"] >= 0.1   # 0.2 s of spinning on this thread (less if it waited for a core)
+    assert d["cpu_s"] + d["runqueue_wait_s"] >= 0.15
+
+
+def test_sample_of_no_such_process_is_empty():
+    assert schedstat.sample({"gone": 2**22 + 12345}) == {}
