@@ -131,6 +131,12 @@ def test_serving_section_checks_every_load_and_registers_nothing_after_warm_up(r
         assert o.full_bytes - layout.layers * layout.block_nbytes < per_load <= o.full_bytes
         assert r["large_stream"]["useful_bytes"] == len(phases["large_stream"]) * per_load
         assert r["mixed"]["small"]["p99_us"] >= r["mixed"]["small"]["p50_us"] > 0
+        if os.path.exists("/proc/self/schedstat"):  # each phase's cpu and run-queue wait
+            assert set(r["cpu"]) == {"unloaded", "mixed", "concurrent_small", "large_stream", "open_loop"}
+            for phase in r["cpu"].values():
+                assert set(phase) == {"loader", "source1", "source2"}
+                assert all(p["cpu_s"] > 0 and p["runqueue_wait_s"] >= 0 for p in phase.values())
+                assert "main" in [t[0] for t in phase["loader"]["threads"]]   # its loop's thread
     for name, merge in (("seed", False), ("k1", True)):  # one slab each way
         assert s["runs"][name]["receive_slabs"] == s["runs"][name]["send_slabs"] == 1
         assert s["runs"][name]["merge_loads"] is merge
