@@ -3,8 +3,9 @@
 The last row of ``xavier-async bench --vllm`` (:func:`xavier_async.bench.vllm_ttft.serving_rows`:
 A decodes while B loads A's prefixes round after round; B's first tokens compared with
 A's), with A's connector told ``direct_write_regions=N`` (0: A gathers every serve into a
-send slab; ``default``: the connector's default, 64 on host memory). Prints the row and
-A's direct writes and pack stage from its stats file.
+send slab; ``default``: the connector's default, 64 on host memory). Prints the row,
+A's direct writes and pack stage from its stats file, and per phase of A's decode the cpu
+seconds and the seconds runnable but waiting for a core of A's and B's processes.
 
 Usage: python scripts/vllm_serving_ab.py {default|N} [{default|N} ...]   (the vllm extra)"""
 
@@ -42,6 +43,10 @@ def main(settings: list[str]) -> None:
               f"{r['first_tokens_equal']}/{r['first_tokens_of']} first tokens equal; A: "
               f"{a.get('direct_writes')} direct writes of {pack.get('n')} serves, pack p50 "
               f"{pack.get('p50_us')} us", flush=True)
+        for phase, procs in r.get("cpu", {}).items():   # A's decode: alone, serving, B computing
+            print(f"  {phase}: " + "; ".join(
+                f"{name.upper()} cpu {p['cpu_of_wall']:.2f} waiting {p['runqueue_wait_of_wall']:.2f} "
+                f"of the wall, busiest {p['threads'][:3]}" for name, p in procs.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -43,3 +43,25 @@ def test_a_phase_of_busy_work_counts_as_cpu():
 
 def test_sample_of_no_such_process_is_empty():
     assert schedstat.sample({"gone": 2**22 + 12345}) == {}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists("/proc/self/schedstat"),
+                    reason="Linux schedstat only")
+def test_a_tree_sample_counts_a_child_process_busy_for_the_phase():
+    import subprocess
+    me = {"me": os.getpid()}
+    s0, t0 = schedstat.sample(me, tree=True), time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time\nt = time.perf_counter() + 0.3\nwhile time.perf_counter() < t: pass\n"
+                              "time.sleep(5)"])
+    try:
+        time.sleep(0.6)   # it has spun 0.3 s and sleeps: still alive to be sampled
+        d = schedstat.delta(s0, schedstat.sample(me, tree=True), time.perf_counter() - t0, top=10)["me"]
+        flat = schedstat.delta(schedstat.sample(me), schedstat.sample(me), 1.0)["me"]
+    finally:
+        child.kill()
+        child.wait()
+    names = [t[0] for t in d["threads"]]
+    assert any(n.startswith("python") and n.endswith("(main)") for n in names), names
+    assert d["cpu_s"] >= 0.15   # the child's spin counted (the parent mostly slept)
+    assert all(t[0] == "main" or not t[0].endswith("(main)") for t in flat["threads"])

@@ -18,15 +18,16 @@ from typing import Any
 Sample = dict[str, dict[str, tuple[int, int]]]
 
 
-def _threads(pid: int) -> dict[str, tuple[int, int]]:
-    out: dict[str, tuple[int, int]] = {}
+def _threads(pid: int, out: dict[str, tuple[int, int]], main: str) -> None:
+    """Add ``pid``'s threads to ``out``: its first thread as ``main``, the others by
+    their OS name (Python threads inherit the first thread's: those add up under it)."""
     base = f"/proc/{pid}/task"
     for tid in os.listdir(base):
         try:
             with open(f"{base}/{tid}/schedstat") as f:
                 ran, waited, _ = (int(x) for x in f.read().split())
             if int(tid) == pid:
-                name = "main"   # (other threads inherit its name unless they set one)
+                name = main
             else:
                 with open(f"{base}/{tid}/comm") as f:
                     name = f.read().strip()
@@ -34,18 +35,49 @@ def _threads(pid: int) -> dict[str, tuple[int, int]]:
             continue
         r, w = out.get(name, (0, 0))   # threads of one name (a pool) add up
         out[name] = (r + ran, w + waited)
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s child processes (Linux ``/proc/PID/task/*/children``)."""
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+        except (OSError, ValueError):
+            continue
     return out
 
 
-def sample(pids: dict[str, int]) -> Sample:
+def _tree(pid: int, out: dict[str, tuple[int, int]]) -> None:
+    """Add the threads of ``pid`` and of every process under it: each process's first
+    thread by the process's name (``comm``), the others by their own."""
+    with open(f"/proc/{pid}/comm") as f:
+        name = f.read().strip()
+    _threads(pid, out, f"{name} (main)")
+    for child in _children(pid):
+        try:
+            _tree(child, out)
+        except OSError:   # it ended meanwhile
+            continue
+
+
+def sample(pids: dict[str, int], tree: bool = False) -> Sample:
     """Each process's threads' run and run-queue wait nanoseconds, by thread name
-    (``main``: the process's first thread; others by their OS name, which Python threads
-    inherit from the first one: those add up under it) (empty where the host does not
-    keep them)."""
+    (``main``: the process's first thread); with ``tree``, every process under it too
+    (a vLLM replica's engine-core process), each first thread named ``NAME (main)``.
+    Empty where the host does not keep them."""
+    out: Sample = {}
     try:
-        return {name: _threads(pid) for name, pid in pids.items()}
+        for name, pid in pids.items():
+            out[name] = {}
+            if tree:
+                _tree(pid, out[name])
+            else:
+                _threads(pid, out[name], "main")
     except OSError:
         return {}
+    return out
 
 
 def delta(before: Sample, after: Sample, wall_s: float, top: int = 3) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from ..testing.vllm_replica import (
     make_model,
     xavier_config,
 )
+from . import schedstat
 
 PREFIXES = (128, 256, 512, 1024, 2048, 4096)
 
@@ -167,7 +168,18 @@ def serving_rows(model: str) -> dict[str, Any]:
         g = a.generate([_ids(rng, DECODE_PROMPT) for _ in range(DECODE_BATCH)], DECODE_TOKENS)
         return sum(map(len, g.tokens)) / g.seconds
 
-    def decode_during(one_round: Any) -> tuple[float, int, float]:
+    cpu: dict[str, Any] = {}   # per phase: A's and B's process trees on a core / waiting
+    pids = {name: r.proc.pid for name, r in (("a", a), ("b", b)) if r.proc.pid is not None}
+
+    def decode_timed(phase: str) -> float:
+        s0, t0 = schedstat.sample(pids, tree=True), time.perf_counter()
+        tokens_per_s = decode()
+        if s0:
+            cpu[phase] = schedstat.delta(s0, schedstat.sample(pids, tree=True),
+                                         time.perf_counter() - t0, top=4)
+        return tokens_per_s
+
+    def decode_during(one_round: Any, phase: str) -> tuple[float, int, float]:
         """A's decode while B repeats ``one_round``: tokens/s, B's rounds, their seconds."""
         stop, rounds = threading.Event(), [0]
 
@@ -180,7 +192,7 @@ def serving_rows(model: str) -> dict[str, Any]:
         worker = threading.Thread(target=loop, daemon=True)
         worker.start()
         try:
-            tokens_per_s = decode()
+            tokens_per_s = decode_timed(phase)
         finally:
             stop.set()
             worker.join(timeout=300)
@@ -194,7 +206,7 @@ def serving_rows(model: str) -> dict[str, Any]:
         want = a.generate([p + [7] for p in held], 1).tokens
         time.sleep(0.3)                                   # the announcements reach B
         decode()                                          # warm-up
-        alone = [decode()]
+        alone = [decode_timed("alone")]
         equal = [0, 0]
 
         def load_round() -> None:
@@ -207,9 +219,9 @@ def serving_rows(model: str) -> dict[str, Any]:
             b.generate([_ids(rng, SERVED_PREFIX) + [7] for _ in held], 1)
 
         before = b.stats()
-        serving, rounds, seconds = decode_during(load_round)
+        serving, rounds, seconds = decode_during(load_round, "serving")
         after = b.stats()
-        control, control_rounds, _ = decode_during(compute_round)
+        control, control_rounds, _ = decode_during(compute_round, "b_computing")
         alone.append(decode())
         moved = after["bytes_loaded"] - before["bytes_loaded"]
         return {"alone_tokens_per_s": alone, "serving_tokens_per_s": serving,
@@ -219,7 +231,10 @@ def serving_rows(model: str) -> dict[str, Any]:
                 "loads": after["loads"] - before["loads"],
                 "load_failures": after["load_failures"] - before["load_failures"],
                 "bytes_loaded": moved, "load_mb_per_s": moved / seconds / 1e6,
-                "first_tokens_equal": equal[0], "first_tokens_of": equal[1]}
+                "first_tokens_equal": equal[0], "first_tokens_of": equal[1],
+                # A's and B's processes (engine cores included) during A's decode: cpu
+                # seconds, and seconds runnable but waiting for a core (Linux schedstat)
+                **({"cpu": cpu} if cpu else {})}
     finally:
         a.close()
         b.close()
