@@ -13,10 +13,14 @@ call it while the first polls depends on the agent's ``sync_mode``. No xavier-as
   today); ``thread <mode>``: a second thread posts the large WRITEs, the main thread only
   serves small ones, the agent built with ``sync_mode`` ``<mode>`` (``NONE``, ``STRICT``,
   ``RW``);
+- ``agents``: the second thread posts the large WRITEs through a second agent of A's own
+  (registered over the same memory, its own UCX worker), so that the two threads share no
+  agent; B knows both;
 - B sends a small request after a gap uniform in 0-4 ms and measures request -> landed; it checks the bytes of
   both regions at the end.
 
-Usage: python scripts/post_thread.py [seconds per mode]   (numpy, nixl)"""
+Usage: python scripts/post_thread.py [seconds per mode] [agents]   (numpy, nixl;
+``agents``: only inline and the second agent)"""
 
 from __future__ import annotations
 
@@ -58,14 +62,21 @@ def _source(conn, design: str, sync: str | None, seconds: float) -> None:  # typ
     agent, buf = _agent("A", np, sync)
     buf[:LARGE] = _pattern(np, LARGE, 1)
     buf[LARGE:] = _pattern(np, SMALL, 2)
-    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
+    bulk = agent
+    if design == "agents":   # a second agent of A's own, over the same memory, for the large
+        from nixl._api import nixl_agent, nixl_agent_config
+        bulk = nixl_agent("A2", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        bulk.register_memory(bulk.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"))
+    conn.send(([agent.get_agent_metadata()] + ([bulk.get_agent_metadata()] if bulk is not agent else []),
+               buf.ctypes.data))
     meta, dst = conn.recv()
-    agent.add_remote_agent(meta)
-    while not agent.check_remote_metadata("B"):
-        time.sleep(0.01)
+    for a in {id(agent): agent, id(bulk): bulk}.values():
+        a.add_remote_agent(meta)
+        while not a.check_remote_metadata("B"):
+            time.sleep(0.01)
     d = agent.get_xfer_descs
-    large = agent.initialize_xfer("WRITE", d([(buf.ctypes.data, LARGE, 0)], "DRAM"),
-                                  d([(dst, LARGE, 0)], "DRAM"), "B")
+    large = bulk.initialize_xfer("WRITE", bulk.get_xfer_descs([(buf.ctypes.data, LARGE, 0)], "DRAM"),
+                                 bulk.get_xfer_descs([(dst, LARGE, 0)], "DRAM"), "B")
     small = agent.initialize_xfer("WRITE", d([(buf.ctypes.data + LARGE, SMALL, 0)], "DRAM"),
                                   d([(dst + LARGE, SMALL, 0)], "DRAM"), "B")
     conn.send("ready")
@@ -74,16 +85,16 @@ def _source(conn, design: str, sync: str | None, seconds: float) -> None:  # typ
 
     def stream() -> None:       # as a copy thread would: post, then yield while not DONE
         while not stop.is_set():
-            s = agent.transfer(large, b"L")
+            s = bulk.transfer(large, b"L")
             while s == "PROC":
                 time.sleep(50e-6)
-                s = agent.check_xfer_state(large)
+                s = bulk.check_xfer_state(large)
             if s != "DONE":
                 raise RuntimeError(s)
             larges[0] += 1
 
     t = None
-    if design == "thread":
+    if design in ("thread", "agents"):
         t = threading.Thread(target=stream)
         t.start()
     end = time.perf_counter() + seconds
@@ -109,8 +120,9 @@ def run(design: str, sync: str | None, seconds: float) -> tuple[list[float], flo
     proc = ctx.Process(target=_source, args=(there, design, sync, seconds))
     proc.start()
     agent, buf = _agent("B", np, None)
-    meta, _ = here.recv()
-    agent.add_remote_agent(meta)
+    metas, _ = here.recv()
+    for meta in metas:
+        agent.add_remote_agent(meta)
     here.send((agent.get_agent_metadata(), buf.ctypes.data))
     assert here.recv() == "ready"
     rng = random.Random(7)          # random gaps, so requests do not lock to A's phase
@@ -144,8 +156,10 @@ def main(seconds: float) -> None:
     print(f"raw NIXL, DRAM: A streams {LARGE >> 20} MiB WRITEs into B and serves B's "
           f"{SMALL >> 10} KiB requests (gaps uniform in 0-{2 * PERIOD_S * 1e3:g} ms); {seconds:g} s a mode")
     print(f"{'design':<14} {'small p50 us':>12} {'p99 us':>9} {'large GB/s':>10} bytes")
-    for design, sync in (("inline", None), ("thread", "STRICT"), ("thread", "RW"),
-                         ("inline", None), ("thread", "STRICT"), ("thread", "RW")):
+    designs = [("inline", None), ("agents", None), ("thread", "STRICT")]
+    if len(sys.argv) > 2 and sys.argv[2] == "agents":   # the new design only, beside inline
+        designs = designs[:2]
+    for design, sync in designs * 2:
         try:
             lat, gbs, ok = run(design, sync, seconds)
         except Exception as e:                       # a mode NIXL refuses, or a hang
