@@ -67,10 +67,10 @@ def _source(conn, design: str, sync: str | None, seconds: float) -> None:  # typ
         from nixl._api import nixl_agent, nixl_agent_config
         bulk = nixl_agent("A2", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         bulk.register_memory(bulk.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"))
-    conn.send(([agent.get_agent_metadata()] + ([bulk.get_agent_metadata()] if bulk is not agent else []),
-               buf.ctypes.data))
+    agents = [agent] if bulk is agent else [agent, bulk]
+    conn.send(([a.get_agent_metadata() for a in agents], buf.ctypes.data))
     meta, dst = conn.recv()
-    for a in {id(agent): agent, id(bulk): bulk}.values():
+    for a in agents:
         a.add_remote_agent(meta)
         while not a.check_remote_metadata("B"):
             time.sleep(0.01)

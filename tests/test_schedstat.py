@@ -65,3 +65,14 @@ def test_a_tree_sample_counts_a_child_process_busy_for_the_phase():
     assert any(n.startswith("python") and n.endswith("(main)") for n in names), names
     assert d["cpu_s"] >= 0.15   # the child's spin counted (the parent mostly slept)
     assert all(t[0] == "main" or not t[0].endswith("(main)") for t in flat["threads"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists("/proc/self/schedstat"),
+                    reason="Linux schedstat only")
+def test_measured_puts_the_block_delta_under_its_phase():
+    into: dict = {}
+    with schedstat.measured({"me": os.getpid()}, into, "spin"):
+        stop = time.perf_counter() + 0.2
+        while time.perf_counter() < stop:
+            pass
+    assert set(into) == {"spin"} and into["spin"]["me"]["cpu_s"] >= 0.1

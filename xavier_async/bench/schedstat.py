@@ -5,13 +5,16 @@ run queue waiting for a core (``/proc/PID/task/TID/schedstat``). Summed over a p
 threads across one phase, the second figure says how much of a small load's latency a
 crowded host adds before any of our code runs: on 2 cores, three busy processes cannot
 all run at once. :func:`sample` reads them; :func:`delta` turns two samples into
-per-process figures. Where ``/proc`` has no schedstat (not Linux, or schedstats off),
+per-process figures; :func:`measured` does both around a block. Where ``/proc`` has no schedstat (not Linux, or schedstats off),
 :func:`sample` returns an empty dict and the bench reports nothing.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from time import perf_counter
 from typing import Any
 
 #: a sample: process name -> thread name -> (ns on a core, ns waiting on a run queue)
@@ -102,4 +105,15 @@ def delta(before: Sample, after: Sample, wall_s: float, top: int = 3) -> dict[st
     return out
 
 
-__all__ = ["Sample", "delta", "sample"]
+@contextmanager
+def measured(pids: dict[str, int], into: dict[str, Any], phase: str, *, tree: bool = False,
+             top: int = 3) -> Iterator[None]:
+    """Sample ``pids`` around the block and put its :func:`delta` in ``into[phase]``
+    (nothing where the host keeps no schedstat, or when the block raises)."""
+    before, t0 = sample(pids, tree), perf_counter()
+    yield
+    if before:
+        into[phase] = delta(before, sample(pids, tree), perf_counter() - t0, top)
+
+
+__all__ = ["Sample", "delta", "measured", "sample"]

@@ -49,7 +49,6 @@ import statistics
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from time import perf_counter
 from typing import Any
 
 import anyio
@@ -425,16 +424,10 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
             stages: dict[str, Any] = {}
             host_time: dict[str, Any] = {}
             cpu: dict[str, Any] = {}   # per phase, per process: on a core / waiting for one
-
-            def cpu_since(phase: str, before: schedstat.Sample, t0: float) -> None:
-                if before:
-                    cpu[phase] = schedstat.delta(before, schedstat.sample(pids), perf_counter() - t0)
-
             await ph.run(phases["warm"], CONCURRENCY, theirs("warm"))
             regs0, mem0 = await registrations(), rss()
-            s0, t0 = schedstat.sample(pids), perf_counter()
-            mine["unloaded"], _ = await ph.run(phases["unloaded"], 1)
-            cpu_since("unloaded", s0, t0)
+            with schedstat.measured(pids, cpu, "unloaded"):
+                mine["unloaded"], _ = await ph.run(phases["unloaded"], 1)
             if duplex:  # rank 1's unloaded latencies: its loads alone, one at a time
                 _, pt = await ph.run([], 1, theirs("unloaded"))
                 assert pt is not None
@@ -447,9 +440,8 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
                     if profile is not None:
                         host_time[phase] = await host_times(reset=False)
 
-                s0, t0 = schedstat.sample(pids), perf_counter()
-                mine[name], pt = await ph.run(phases[name], CONCURRENCY, theirs(name), replayed)
-                cpu_since(name, s0, t0)
+                with schedstat.measured(pids, cpu, name):
+                    mine[name], pt = await ph.run(phases[name], CONCURRENCY, theirs(name), replayed)
                 after = await stage_snapshots()
                 stages[name] = {proc: stage_summary(after[proc].minus(before[proc]).as_dict())
                                 for proc in after}
@@ -458,9 +450,8 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
             # the mixed trace again, open loop: Poisson arrivals at half the rate it ran at
             # closed loop above (issue 24's latency under load)
             rate = 0.5 * len(phases["mixed"]) / mine["mixed"][1]
-            s0, t0 = schedstat.sample(pids), perf_counter()
-            mine["open_loop"], _ = await ph.run(phases["mixed"], CONCURRENCY, rate=rate)
-            cpu_since("open_loop", s0, t0)
+            with schedstat.measured(pids, cpu, "open_loop"):
+                mine["open_loop"], _ = await ph.run(phases["mixed"], CONCURRENCY, rate=rate)
             regs1, mem1 = await registrations(), rss()
     full_rate = o.full_bytes / (floor["median_us"] * 1e-6)
     out = {**slab_counts(cfg), "topology": "duplex" if duplex else "three",

@@ -172,12 +172,8 @@ def serving_rows(model: str) -> dict[str, Any]:
     pids = {name: r.proc.pid for name, r in (("a", a), ("b", b)) if r.proc.pid is not None}
 
     def decode_timed(phase: str) -> float:
-        s0, t0 = schedstat.sample(pids, tree=True), time.perf_counter()
-        tokens_per_s = decode()
-        if s0:
-            cpu[phase] = schedstat.delta(s0, schedstat.sample(pids, tree=True),
-                                         time.perf_counter() - t0, top=4)
-        return tokens_per_s
+        with schedstat.measured(pids, cpu, phase, tree=True, top=4):
+            return decode()
 
     def decode_during(one_round: Any, phase: str) -> tuple[float, int, float]:
         """A's decode while B repeats ``one_round``: tokens/s, B's rounds, their seconds."""
