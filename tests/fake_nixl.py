@@ -10,6 +10,7 @@ a handle used after release) in ``errors``, so tests can assert there was none.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections import defaultdict
 from typing import Any
 
@@ -27,6 +28,8 @@ class FakeFabric:
     def __init__(self) -> None:
         self.agents: dict[str, FakeAgent] = {}
         self.hold_copies = False
+        #: inboxes are shared with a bulk agent's thread (xavier_async.transports.nixl_bulk)
+        self.lock = threading.Lock()
 
     def factory(self, name: str, backends: list[str]) -> FakeAgent:
         agent = FakeAgent(self, name)
@@ -61,6 +64,9 @@ class FakeAgent:
     def get_agent_metadata(self) -> bytes:
         return b"fake-agent:" + self.name.encode()
 
+    def get_partial_agent_metadata(self, descs: Any, inc_conn_info: bool, backends: list[str]) -> bytes:
+        return self.get_agent_metadata()  # (a registration added later: the same agent)
+
     def add_remote_agent(self, metadata: bytes) -> bytes:
         name = metadata.removeprefix(b"fake-agent:").decode()
         if name not in self.fabric.agents:
@@ -91,7 +97,8 @@ class FakeAgent:
         h.state = "DONE"
         self.posted.discard(h)
         if h.notif:
-            self.fabric.agents[h.agent].inbox[self.name].append(h.notif)
+            with self.fabric.lock:
+                self.fabric.agents[h.agent].inbox[self.name].append(h.notif)
 
     def transfer(self, handle: FakeHandle, notif: bytes = b"") -> str:
         if handle.released:
@@ -125,9 +132,11 @@ class FakeAgent:
 
     # notifications
     def send_notif(self, agent: str, msg: bytes) -> None:
-        self.fabric.agents[agent].inbox[self.name].append(msg)
+        with self.fabric.lock:
+            self.fabric.agents[agent].inbox[self.name].append(msg)
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
-        out = {k: v for k, v in self.inbox.items() if v}
-        self.inbox = defaultdict(list)
+        with self.fabric.lock:
+            out = {k: v for k, v in self.inbox.items() if v}
+            self.inbox = defaultdict(list)
         return out

@@ -71,6 +71,7 @@ class Node:
 @asynccontextmanager
 async def nodes(n: int, fabric: FakeFabric | None = None, **kw: Any) -> AsyncIterator[list[Node]]:
     fabric = fabric or FakeFabric()
+    kw.setdefault("bulk_bytes", 0)  # the same on every host (its default depends on the cores)
     out: list[Node] = []
     async with anyio.create_task_group() as tg:
         for rank in range(n):

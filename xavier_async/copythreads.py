@@ -16,7 +16,6 @@ memory are kernels already off the loop and never come here.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 from collections.abc import Callable
 from typing import TypeVar
@@ -25,18 +24,9 @@ import anyio
 
 from .errors import EndpointClosedError
 from .hostcopy import mark_copy_thread
+from .transports.base import loop_waker
 
 T = TypeVar("T")
-
-
-def _waker() -> Callable[[Callable[[], object]], object]:
-    """A thread-safe, non-blocking way to run a function on the current event loop."""
-    try:
-        return asyncio.get_running_loop().call_soon_threadsafe
-    except RuntimeError:  # not asyncio: anyio's other backend
-        import trio
-
-        return trio.lowlevel.current_trio_token().run_sync_soon
 
 
 class CopyThreads:
@@ -64,7 +54,7 @@ class CopyThreads:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self.threads, thread_name_prefix="xavier-copy", initializer=mark_copy_thread)
         done = anyio.Event()
-        wake = _waker()
+        wake = loop_waker()
         fut = self._pool.submit(fn, *args)
         self.copies += 1
 

@@ -313,9 +313,11 @@ def _child(conn: Any, spec_d: dict[str, Any]) -> None:
             async def transport_stats(_: Any) -> dict[str, Any]:
                 """The NIXL transport's own counts: ``stalls_seen``, the stalls its poll
                 loop noticed (each followed by a sweep of the peers' streams; 0 with
-                ``stall_check=0``); ``pieces``: (copies posted in pieces, pieces posted)."""
+                ``stall_check=0``); ``pieces``: (copies posted in pieces, pieces posted);
+                ``bulk_posts``: WRITEs posted through its bulk agent."""
                 inner = getattr(transport, "inner", transport)  # under a FaultyTransport
-                return {"stalls_seen": inner.stalls_seen, "pieces": list(inner.pieces)}
+                return {"stalls_seen": inner.stalls_seen, "pieces": list(inner.pieces),
+                        "bulk_posts": inner.bulk_posts}
 
             # the requests of the last replay, checked (then their slots zeroed) by check_replay
             replayed: list[Any] = []

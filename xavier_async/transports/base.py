@@ -29,6 +29,19 @@ if TYPE_CHECKING:
     from ..slabs import Slab, SlabView
 
 
+def loop_waker() -> Callable[[Callable[[], object]], object]:
+    """A thread-safe, non-blocking way to run a function on the current event loop (for a
+    thread that must wake the loop when its work ends: copy threads, the bulk thread)."""
+    try:
+        import asyncio
+
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:  # not asyncio: anyio's other backend
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+
+
 class TaskSpawner(Protocol):
     """Where a transport starts its background tasks: the endpoint's task group, whose
     tasks are guarded (one that raises is logged and never takes the endpoint down; see

@@ -19,6 +19,9 @@
   its "landed" notification, both polled by one task of ours (NIXL's progress thread is
   off: with it on, a notification round trip took 16 ms here instead of 15 us). Polling
   yields to the event loop between checks, and backs off to short sleeps when idle.
+* Bulk (:mod:`.nixl_bulk`): where the host has cores to spare, a large host WRITE goes
+  through a second agent of ours on a thread of its own, so that the event loop does not
+  copy it inside ``transfer``; peers learn that agent's name in our hello.
 
 Two agents on two GPUs in one process are pathologically slow in NIXL: run one endpoint
 per process per GPU.
@@ -45,7 +48,9 @@ from .admission import INSECURE_ENV, SECRET_ENV, Admission, resolve_secret
 from .base import Regions, TaskSpawner, Transport
 from .handshake import FrameStream
 from .liveness import Liveness
-from .nixl_agent import AgentFactory, NixlAgent, nixl_agent_factory, nixl_version
+from .nixl_agent import (AgentFactory, NixlAgent, nixl_agent_factory, nixl_bulk_agent_factory,
+                         nixl_version)
+from .nixl_bulk import BulkLane, _cpus, default_bulk_bytes
 from .nixl_copies import PIECE_BYTES, Copies, _Mapping
 from .nixl_memory import XT, Memory
 from .peering import Peering
@@ -65,7 +70,7 @@ log = logging.getLogger("xavier_async.nixl")
 
 class _Peer:
     __slots__ = ("rank", "agent", "recv_ptrs", "recv_dev", "mem", "fs", "lost", "handles", "hello",
-                 "joined", "told", "direct")
+                 "joined", "told", "direct", "bulk_agent")
 
     def __init__(self, rank: int, agent: str, recv_ptrs: dict[int, int], recv_dev: int, mem: str,
                  fs: FrameStream, hello: dict[str, Any], told: set[int]) -> None:
@@ -83,10 +88,16 @@ class _Peer:
         #: (its receive slab, regions of our pools) -> transfer handle, least recently
         #: used first (writes straight from a snapshot tier)
         self.direct: OrderedDict[tuple[int, Regions, bool], Any] = OrderedDict()
+        #: the name of the peer's bulk agent (its large WRITEs' notifications), if any
+        self.bulk_agent: str | None = None
 
     @property
     def recv_ptr(self) -> int:
         return self.recv_ptrs[0]
+
+    def agents(self) -> tuple[str, ...]:
+        """The names its notifications come under: its agent's, and its bulk agent's."""
+        return (self.agent,) if self.bulk_agent is None else (self.agent, self.bulk_agent)
 
 
 class NixlTransport(Transport):
@@ -102,7 +113,11 @@ class NixlTransport(Transport):
     ``piece_bytes``: a host-to-host copy larger than this is posted in pieces of this
     size, one per pass through the event loop, so that small copies go out between them
     (UCX copies a host WRITE inside the post: a whole 12 MiB one held the loop ~2.5 ms);
-    0 (the default) posts every copy whole.
+    0 (the default) posts every copy whole. ``bulk_bytes``: a host-to-host WRITE of at
+    least this many bytes goes through a second NIXL agent of ours, posted and polled on a
+    thread of its own (:mod:`.nixl_bulk`), so that the event loop serves small loads
+    meanwhile; 0: never; ``None`` (the default): 1 MiB where this process may run on 8 CPUs
+    or more, else 0 (on 2 cores the third busy thread made the small loads' tail worse).
     ``agent_factory``: builds the NIXL agent (tests pass a fake one).
 
     Peer authentication (docs/threat-model.md): ``secret`` (or ``XAVIER_ASYNC_SECRET``),
@@ -141,6 +156,7 @@ class NixlTransport(Transport):
                  hot_window: float = 0.05, write_timeout: float = 30.0,
                  handshake_timeout: float = 10.0, trim_handles: int = 64,
                  spin: float = 0.0001, piece_bytes: int = PIECE_BYTES,
+                 bulk_bytes: int | None = None,
                  agent_factory: AgentFactory | None = None,
                  secret: str | bytes | None = None, insecure: bool | None = None,
                  first_frame_timeout: float = 2.0, max_unauthenticated: int = 64,
@@ -167,6 +183,9 @@ class NixlTransport(Transport):
         spin = check_number("spin", spin)
         trim_handles = check_int("trim_handles", trim_handles, minimum=1)
         piece_bytes = check_size("piece_bytes", piece_bytes, minimum=0)
+        if bulk_bytes is None:
+            bulk_bytes = default_bulk_bytes()
+        bulk_bytes = check_size("bulk_bytes", bulk_bytes, minimum=0)
         #: connected peers by rank, and by agent name
         self._peers: dict[int, _Peer] = {}
         self._by_agent: dict[str, int] = {}
@@ -182,6 +201,9 @@ class NixlTransport(Transport):
         self._backends = list(backends)
         self.agent: NixlAgent | None = None
         self._agent_factory: AgentFactory = agent_factory or nixl_agent_factory
+        self._bulk_factory: AgentFactory = agent_factory or nixl_bulk_agent_factory
+        #: large host WRITEs through a second agent on a thread of its own
+        self._bulk = BulkLane(bulk_bytes)
         self.agent_name = ""
         self._host: TransportHost | None = None
         self._tg: TaskSpawner | None = None
@@ -192,7 +214,7 @@ class NixlTransport(Transport):
         self._memory = Memory(self._peers, self._by_agent, self._backends, self._counted)
         #: the copy path: handle caches, post/wait, handles that outlive their copies
         self._copies = Copies(self._memory.pools, write_timeout=write_timeout, spin=spin,
-                              trim_handles=trim_handles, piece_bytes=piece_bytes)
+                              trim_handles=trim_handles, piece_bytes=piece_bytes, bulk=self._bulk)
         # the parts' tables under their former names (the same objects; tests read them)
         self._reg, self._recv_slabs = self._memory.regs, self._memory.recv_slabs
         self._in_flight, self._stuck = self._copies.in_flight, self._copies.stuck
@@ -225,6 +247,16 @@ class NixlTransport(Transport):
     def pieces(self) -> tuple[int, int]:
         """(copies posted in pieces, pieces posted) so far."""
         return self._copies.pieced, self._copies.pieces_posted
+
+    @property
+    def bulk_bytes(self) -> int:
+        """Host WRITEs of at least this many bytes go through the bulk agent (0: none)."""
+        return self._bulk.min_bytes
+
+    @property
+    def bulk_posts(self) -> int:
+        """WRITEs posted through the bulk agent so far."""
+        return self._bulk.posts
 
     @property
     def trim_handles(self) -> int:
@@ -291,8 +323,13 @@ class NixlTransport(Transport):
             raise InvalidRequestError(f"NIXL transport supports cpu and cuda caches, not {dev}")
         self.agent_name = f"xa-{host.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = self._agent_factory(self.agent_name, list(self._backends))
+        bulk = None
+        if self._bulk.min_bytes and self._mem == "DRAM":
+            name = self.agent_name + "-bulk"
+            bulk = self._bulk_factory(name, list(self._backends))
+            self._bulk.bind(bulk, name)
         self._copies.bind(self.agent, self._mem, self._dev)
-        self._memory.start(self.agent, self._mem, self._dev, send, recv)
+        self._memory.start(self.agent, self._mem, self._dev, send, recv, bulk)
         await self._peering.start(host, self._tasks, self.agent_name)
         self._tasks.start_soon(self._poll_loop)
 
@@ -353,6 +390,7 @@ class NixlTransport(Transport):
             for rank in list(self._peers):
                 await self.disconnect(rank)
             if self.agent is not None:
+                self._bulk.close()  # every peer is lost by now: its job has ended or ends
                 self._copies.close()
                 self._memory.deregister_all()
 
@@ -383,7 +421,7 @@ class NixlTransport(Transport):
                 "meta": base64.b64encode(self._agent.get_agent_metadata()).decode(),
                 "recv_ptr": self._recv_slab.tensor.data_ptr(), "recv_dev": self._dev,
                 "recv_slabs": {str(i): s.tensor.data_ptr() for i, s in self._recv_slabs.items()},
-                "mem": self._mem}
+                "mem": self._mem, **({"bulk_agent": self._bulk.name} if self._bulk.name else {})}
 
     def _add_peer(self, frame: dict[str, Any], fs: FrameStream, told: set[int] | None = None) -> _Peer:
         try:  # parse everything before touching the agent
@@ -393,10 +431,13 @@ class NixlTransport(Transport):
             recv_ptrs = {int(i): int(p) for i, p in dict(frame.get("recv_slabs", {})).items()}
             recv_ptrs.setdefault(0, recv_ptr)
             mem = str(frame.get("mem", "DRAM"))
+            bulk_agent = frame.get("bulk_agent")
         except (KeyError, TypeError, ValueError) as exc:
             raise HandshakeError(f"malformed handshake from peer: {exc!r}") from None
-        if type(rank) is not int or rank < 0 or mem not in ("DRAM", "VRAM"):
-            raise HandshakeError(f"malformed handshake from peer (rank {rank!r}, memory {mem!r})")
+        if type(rank) is not int or rank < 0 or mem not in ("DRAM", "VRAM") \
+                or not (bulk_agent is None or (isinstance(bulk_agent, str) and bulk_agent)):
+            raise HandshakeError(f"malformed handshake from peer (rank {rank!r}, memory {mem!r}, "
+                                 f"bulk agent {bulk_agent!r})")
         old = self._peers.get(rank)
         if old is not None and not old.lost:
             raise HandshakeError(f"rank {rank} is already connected")
@@ -405,11 +446,16 @@ class NixlTransport(Transport):
         name = self._agent.add_remote_agent(meta)
         if isinstance(name, bytes):
             name = name.decode()
+        if self._bulk.agent is not None:  # it writes into this peer's receive slabs too
+            self._bulk.agent.add_remote_agent(meta)
         self._former.pop(name, None)
         peer = _Peer(rank, name, recv_ptrs, recv_dev, mem, fs, frame["hello"],
                      set(told) if told is not None else {0})
+        peer.bulk_agent = bulk_agent if bulk_agent != name else None
         self._peers[rank] = peer
-        self._by_agent[peer.agent] = rank
+        for agent in peer.agents():
+            self._former.pop(agent, None)
+            self._by_agent[agent] = rank
         return peer
 
     # -- peers --------------------------------------------------------------------------
@@ -427,15 +473,19 @@ class NixlTransport(Transport):
             return
         peer.lost = True
         self._copies.release_peer(peer)
-        self._by_agent.pop(peer.agent, None)
-        self._former[peer.agent] = rank  # its late notifications still mean something
+        for agent in peer.agents():
+            self._by_agent.pop(agent, None)
+            self._former[agent] = rank  # its late notifications still mean something
         while len(self._former) > 256:
             self._former.popitem(last=False)
         self._peering.notify()
-        try:
-            self._agent.remove_remote_agent(peer.agent)
-        except Exception:
-            log.debug("remove_remote_agent failed", exc_info=True)
+        for ours in (self._agent, self._bulk.agent):
+            if ours is None:
+                continue
+            try:
+                ours.remove_remote_agent(peer.agent)
+            except Exception:
+                log.debug("remove_remote_agent failed", exc_info=True)
 
     async def forget(self, peer: int) -> None:
         p = self._peers.get(peer)
@@ -573,11 +623,3 @@ class NixlTransport(Transport):
             else:
                 await sleep(self.idle_poll)
                 self._sched_yield = self._yielder()  # affinity may have changed
-
-
-def _cpus() -> int:
-    """CPUs this process may run on (its affinity), 2 where that cannot be known."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return 2

@@ -56,10 +56,22 @@ AgentFactory = Callable[[str, "list[str]"], NixlAgent]
 def nixl_agent_factory(name: str, backends: list[str]) -> NixlAgent:
     """The real NIXL agent, progress thread off (we poll); NIXL's logs go to the
     application's logging unless ``NIXL_LOG_LEVEL`` is set (:func:`adopt_nixl_logging`)."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    return _agent(name, backends, threaded=False)
+
+
+def nixl_bulk_agent_factory(name: str, backends: list[str]) -> NixlAgent:
+    """The bulk agent (:mod:`.nixl_bulk`): as :func:`nixl_agent_factory`, with NIXL's
+    ``STRICT`` thread sync (two threads call it)."""
+    return _agent(name, backends, threaded=True)
+
+
+def _agent(name: str, backends: list[str], threaded: bool) -> NixlAgent:
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     adopt_nixl_logging()
-    agent: NixlAgent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=backends))
+    sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if threaded else None
+    agent: NixlAgent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=backends,
+                                                          sync_mode=sync))
     made = getattr(agent, "backends", None)
     if isinstance(made, dict):
         missing = [b for b in backends if b not in made]

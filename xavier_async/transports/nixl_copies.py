@@ -16,6 +16,9 @@
   notifications is never posted without one: a copy without a notification (a bare copy,
   or a piece before the last) goes through handles of its own (``silent``, and pieces
   keyed by whether they notify).
+* Bulk: a host WRITE of at least ``bulk.min_bytes`` goes through the endpoint's second
+  agent, posted and polled on a thread of its own (:mod:`.nixl_bulk`); its handles are
+  that agent's (``_Mapping.bulk``, and ``owner`` says which agent releases them).
 * Release: a handle is never released while NIXL may still read through it: one whose
   copy is in flight is released when the copy is terminal (``release_later``); one given
   up on at ``write_timeout`` is *stuck* until the poller (:meth:`Copies.check_stuck`)
@@ -33,12 +36,13 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import anyio
 
 from ..errors import InternalError, InvalidRequestError, PeerLostError, TransferError
 from .base import Regions
+from .nixl_bulk import BulkLane, _Bulk
 
 if TYPE_CHECKING:
     from .nixl_agent import NixlAgent
@@ -57,7 +61,7 @@ class _Mapping:
     view-length handle plus a bounded cache of exact-length handles for trimmed copies;
     ``silent``: the same for copies posted without a notification (see the module)."""
 
-    __slots__ = ("view_bytes", "local_ptr", "by_len", "silent", "slab", "pieces")
+    __slots__ = ("view_bytes", "local_ptr", "by_len", "silent", "slab", "pieces", "bulk")
 
     def __init__(self, view_bytes: int, local_ptr: int, handle: Any, slab: int = 0) -> None:
         self.view_bytes = view_bytes
@@ -68,6 +72,8 @@ class _Mapping:
         #: (offset, bytes, notifies) -> the handle of one piece of a large copy
         #: (:class:`_Pieces`); only a last piece notifies
         self.pieces: OrderedDict[tuple[int, int, bool], Any] = OrderedDict()
+        #: (bytes, notifies) -> a handle of the bulk agent (:mod:`.nixl_bulk`)
+        self.bulk: OrderedDict[tuple[int, bool], Any] = OrderedDict()
 
 
 class Target(Protocol):
@@ -121,7 +127,8 @@ class Copies:
     registered pools (read here, appended to by the transport)."""
 
     def __init__(self, pools: list[tuple[int, int, str, int]], *, write_timeout: float,
-                 spin: float, trim_handles: int, piece_bytes: int = 0) -> None:
+                 spin: float, trim_handles: int, piece_bytes: int = 0,
+                 bulk: BulkLane | None = None) -> None:
         self.write_timeout = write_timeout
         self.spin = spin
         self.trim_handles = trim_handles
@@ -132,6 +139,10 @@ class Copies:
         #: registered pools (snapshot tiers): (first address, end, memory type, device)
         self.pools = pools
         self.agent: NixlAgent | None = None
+        #: large host WRITEs through a second agent on a thread of its own
+        self.bulk = bulk if bulk is not None else BulkLane(0)
+        #: handle id -> the agent that made it, for handles not the main agent's
+        self.owner: dict[int, NixlAgent] = {}
         #: our memory's NIXL type and device (the slabs')
         self.mem, self.dev = "DRAM", 0
         #: when a copy or a message was last posted (the poller stays hot after it)
@@ -155,10 +166,11 @@ class Copies:
 
     # -- handles -------------------------------------------------------------------------
     def handle(self, peer: Target, local_ptr: int, nbytes: int, slab: int = 0,
-               offset: int = 0) -> Any:
+               offset: int = 0, agent: NixlAgent | None = None) -> Any:
         """A new WRITE handle: ``nbytes`` at ``local_ptr`` to ``offset`` bytes into
-        ``peer``'s receive slab ``slab``."""
-        agent = self._agent
+        ``peer``'s receive slab ``slab`` (made by ``agent``, by default the main one)."""
+        if agent is None:
+            agent = self._agent
         return agent.initialize_xfer(
             "WRITE",
             agent.get_xfer_descs([(local_ptr, nbytes, self.dev)], self.mem),
@@ -210,14 +222,15 @@ class Copies:
         if id(h) in self.stuck:  # timed out but maybe still posted: check_stuck releases it
             return
         try:
-            self._agent.release_xfer_handle(h)
+            self.owner.pop(id(h), self._agent).release_xfer_handle(h)
         except Exception:
             log.debug("release_xfer_handle failed", exc_info=True)
 
     def release_peer(self, peer: Target) -> None:
         """Release every handle cached for ``peer`` (those still posted once terminal)."""
         for m in peer.handles.values():
-            for h in [*m.by_len.values(), *m.silent.values(), *m.pieces.values()]:
+            for h in [*m.by_len.values(), *m.silent.values(), *m.pieces.values(),
+                      *m.bulk.values()]:
                 self.release_handle(h)
         peer.handles.clear()
         for h in peer.direct.values():
@@ -236,6 +249,8 @@ class Copies:
         if not isinstance(mapping, _Mapping):
             raise InvalidRequestError(f"not a mapping of this transport: {mapping!r}")
         m = mapping
+        if self.bulk.wants(nbytes, self.mem, p.mem):
+            return self._post_bulk(p, m, nbytes, notify or b"")
         if self.piece_bytes and nbytes > self.piece_bytes and self.mem == p.mem == "DRAM":
             handles = self._piece_handles(p, m, nbytes, bool(notify))
             return self._start_pieces(p, handles, nbytes, notify or b"")
@@ -249,6 +264,29 @@ class Copies:
         elif nbytes != m.view_bytes:
             cache.move_to_end(nbytes)
         return self.start(p, h, nbytes, notify)
+
+    def _post_bulk(self, p: Target, m: _Mapping, nbytes: int, notify: bytes) -> _Bulk:
+        """Hand a large host WRITE to the bulk thread (:mod:`.nixl_bulk`) through a handle
+        of the bulk agent's, one per (length, notifies), kept in a small LRU."""
+        key = (nbytes, bool(notify))
+        h = m.bulk.get(key)
+        if h is None:
+            agent = self.bulk.agent
+            if agent is None:
+                raise InternalError("a bulk WRITE without a bulk agent")
+            h = m.bulk[key] = self.handle(p, m.local_ptr, nbytes, m.slab, agent=agent)
+            self.owner[id(h)] = agent
+            self._evict_one(m.bulk, self.trim_handles + 2,
+                            lambda k: k in ((m.view_bytes, True), (m.view_bytes, False), key))
+        else:
+            m.bulk.move_to_end(key)
+        self.last_activity = time.monotonic()
+        self.in_flight[id(h)] = p.rank
+        try:
+            return self.bulk.submit(p, h, nbytes, notify, time.monotonic() + self.write_timeout)
+        except BaseException:
+            self.in_flight.pop(id(h), None)
+            raise
 
     def post_regions(self, p: Target, regions: Regions, slab: int,
                      notify: bytes | None) -> object | None:
@@ -318,6 +356,8 @@ class Copies:
 
     # -- completion ----------------------------------------------------------------------
     async def wait(self, pending: object) -> None:
+        if isinstance(pending, _Bulk):
+            return await self._wait_bulk(pending)
         if isinstance(pending, _Pieces):
             return await self._wait_pieces(pending)
         if not isinstance(pending, _Pending):
@@ -367,6 +407,25 @@ class Copies:
             if id(w.handle) in self.in_flight or stuck:
                 self._settle(w.peer, w.handle, stuck)
 
+    async def _wait_bulk(self, w: _Bulk) -> None:
+        """Wait for the bulk thread's job (re-entrant after a native cancellation: the
+        handle is settled only once the job has ended)."""
+        peer = cast(Target, w.peer)  # the peer record post() handed over
+        try:
+            state = await self.bulk.ended(w)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:  # NIXL refused the post: nothing is in flight
+            self._settle(peer, w.handle, False)
+            raise self._failure(f"an error ({exc!r})", peer, w.nbytes) from exc
+        self._settle(peer, w.handle, state == "PROC")
+        if state == "PROC":
+            if peer.lost:
+                raise PeerLostError(f"rank {peer.rank} went away during a copy")
+            raise self._late(peer)
+        if state != "DONE":
+            raise self._failure(state, peer, w.nbytes)
+
     def _failure(self, state: str, peer: Target, nbytes: int) -> Exception:
         if peer.lost:
             return PeerLostError(f"rank {peer.rank} went away during a copy")
@@ -394,7 +453,7 @@ class Copies:
         calls this while any are stuck)."""
         for key, (rank, h) in list(self.stuck.items()):
             try:
-                state = self._agent.check_xfer_state(h)
+                state = self.owner.get(id(h), self._agent).check_xfer_state(h)
             except Exception:
                 state = "ERR"
             if state != "PROC":

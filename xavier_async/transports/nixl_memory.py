@@ -3,15 +3,16 @@ new receive slabs.
 
 * Registrations: the send and receive slabs (the endpoint's pools) are registered once
   each, at start or when the pool grows (DRAM, or VRAM on the caches' GPU), and so are
-  the snapshot tiers (:meth:`Memory.add_pool`: the pools a direct write reads). Views and
+  the snapshot tiers (:meth:`Memory.add_pool`: the pools a direct write reads). With a
+  bulk agent (:mod:`.nixl_bulk`) the send slabs are registered with it too. Views and
   peers never register memory again; everything is deregistered at close.
 * Sharing: a peer learns of our receive slabs in the handshake (their addresses in our
   hello). One added later (the pool's slabs 1.., a fenced slab's replacement) can be
   written by a peer's agent only once it holds that registration: :meth:`Memory.share`
   sends it (NIXL partial agent metadata) with the slab's address as a transport
   notification (prefix :data:`XT`) and waits for the acknowledgement;
-  :meth:`Memory.on_message` is the other end (add the registration, record the address,
-  acknowledge) and takes our acknowledgements.
+  :meth:`Memory.on_message` is the other end (add the registration to our agents, record
+  the address, acknowledge) and takes our acknowledgements.
 
 The transport (:mod:`.nixl`) owns the agent and the peer table; it binds the agent here
 at start, hands over its peer table (read only), counts the registrations, and routes
@@ -65,11 +66,14 @@ class Memory:
         self._backends = backends
         self._counted = counted
         self.agent: NixlAgent | None = None
+        #: the bulk agent (:mod:`.nixl_bulk`), if any: it registers the send slabs too
+        self.bulk: NixlAgent | None = None
         #: our memory's NIXL type and device (the slabs')
         self.mem, self.dev = "DRAM", 0
         self.device: torch.device | None = None
-        #: every registration, deregistered at close
+        #: every registration, deregistered at close (and the bulk agent's)
         self.regs: list[Any] = []
+        self.bulk_regs: list[Any] = []
         #: registered pools (snapshot tiers): (first address, end, memory type, device)
         self.pools: list[tuple[int, int, str, int]] = []
         #: our send slabs by index
@@ -89,19 +93,29 @@ class Memory:
         return self.agent
 
     # -- registrations -------------------------------------------------------------------
-    def start(self, agent: NixlAgent, mem: str, dev: int, send: Slab, recv: Slab) -> None:
-        """The transport started: register its first send and receive slabs."""
+    def start(self, agent: NixlAgent, mem: str, dev: int, send: Slab, recv: Slab,
+              bulk: NixlAgent | None = None) -> None:
+        """The transport started: register its first send and receive slabs (the send
+        slab with the bulk agent too)."""
         self.agent, self.mem, self.dev, self.device = agent, mem, dev, send.device
+        self.bulk = bulk
         self.send_slabs[send.index] = send
         for slab in (send, recv):
             self.regs.append(agent.register_memory(self.reg_descs(slab)))
             self._counted()
+        self._register_bulk(send)
         self.recv_slabs[recv.index] = recv
         self.recv_regs[recv.index] = self.regs[-1]
 
-    def reg_descs(self, slab: Slab) -> Any:
-        return self._agent.get_reg_descs([(slab.tensor.data_ptr(), slab.full.nbytes, self.dev, "")],
-                                         self.mem)
+    def reg_descs(self, slab: Slab, agent: NixlAgent | None = None) -> Any:
+        return (agent or self._agent).get_reg_descs(
+            [(slab.tensor.data_ptr(), slab.full.nbytes, self.dev, "")], self.mem)
+
+    def _register_bulk(self, slab: Slab) -> None:
+        """A send slab, registered with the bulk agent as well (if there is one)."""
+        if self.bulk is not None:
+            self.bulk_regs.append(self.bulk.register_memory(self.reg_descs(slab, self.bulk)))
+            self._counted()
 
     async def _register(self, slab: Slab) -> Any:
         """Register one more slab of the endpoint's (its device's) memory."""
@@ -117,6 +131,7 @@ class Memory:
 
     async def add_send_slab(self, slab: Slab) -> None:
         await self._register(slab)
+        self._register_bulk(slab)
         self.send_slabs[slab.index] = slab
 
     async def add_recv_slab(self, slab: Slab) -> None:
@@ -146,12 +161,13 @@ class Memory:
         self._counted()
 
     def deregister_all(self) -> None:
-        for reg in self.regs:
-            try:
-                self._agent.deregister_memory(reg)
-            except Exception:
-                log.warning("deregister_memory failed", exc_info=True)
-        self.regs.clear()
+        for agent, regs in ((self.agent, self.regs), (self.bulk, self.bulk_regs)):
+            for reg in regs:
+                try:
+                    agent.deregister_memory(reg)  # type: ignore[union-attr]
+                except Exception:
+                    log.warning("deregister_memory failed", exc_info=True)
+            regs.clear()
 
     # -- telling peers about new receive slabs -------------------------------------------
     async def share(self, p: Holder, slab: Slab, timeout: float) -> None:
@@ -196,7 +212,10 @@ class Memory:
             if p is None or p.lost:
                 return
             index, ptr = int(body["slab"]), int(body["ptr"])
-            self._agent.add_remote_agent(base64.b64decode(body["meta"], validate=True))
+            meta = base64.b64decode(body["meta"], validate=True)
+            self._agent.add_remote_agent(meta)
+            if self.bulk is not None:  # it writes into the peer's receive slabs too
+                self.bulk.add_remote_agent(meta)
             p.recv_ptrs[index] = ptr
             self._agent.send_notif(agent, XT + json.dumps({"ack": index}).encode())
         except Exception:
