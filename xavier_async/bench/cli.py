@@ -47,7 +47,7 @@ EXPERT_FLAGS = ("--full", "--small", "--copies", "--loads", "--trace-batches", "
                 "--alloc-copies", "--alloc-loads", "--no-descriptors", "--no-protocol-floor",
                 "--no-load-timeline", "--seed", "--pin", "--no-pin", "--serving-topology",
                 "--serving-slabs", "--serving-merge-small", "--serving-small-trips",
-                "--serving-trimmed", "--serving-piece-bytes", "--serving-copy-threads", "--serving-direct-write-regions", "--reply-spin", "--serving-rounds", "--serving-host-profile")
+                "--serving-trimmed", "--serving-piece-bytes", "--serving-bulk-bytes", "--serving-copy-threads", "--serving-direct-write-regions", "--reply-spin", "--serving-rounds", "--serving-host-profile")
 
 
 class _HelpAll(argparse.Action):
@@ -155,6 +155,11 @@ def build_parser(expert: bool = False) -> argparse.ArgumentParser:
                    help="NixlTransport(piece_bytes=...) of the serving section's endpoints (a "
                         "larger host copy is posted in pieces of this size; 0: whole); "
                         "default: the transport's default (0)")
+    b.add_argument("--serving-bulk-bytes", type=_size_or_zero, metavar="SIZE", default=None,
+                   help="NixlTransport(bulk_bytes=...) of the serving section's endpoints (a "
+                        "host WRITE of at least SIZE goes through a second NIXL agent on a "
+                        "thread of its own; 0: never); default: the transport's default (1 MiB "
+                        "on 8 CPUs or more, else 0)")
     b.add_argument("--serving-copy-threads", type=int, metavar="N", default=None,
                    help="EndpointConfig.copy_threads of the serving section's endpoints (0: "
                         "every host pack and unpack on the event loop); default: the engine's "
@@ -280,6 +285,7 @@ def _bench(args: argparse.Namespace) -> int:
                             serving_merge_small=args.serving_merge_small,
                             serving_trimmed=args.serving_trimmed,
                             serving_piece_bytes=args.serving_piece_bytes,
+                            serving_bulk_bytes=args.serving_bulk_bytes,
                             serving_copy_threads=args.serving_copy_threads,
                             serving_direct_write_regions=args.serving_direct_write_regions,
                             reply_spin=args.reply_spin,

@@ -79,6 +79,9 @@ class BenchOptions:
     #: ``NixlTransport(piece_bytes=...)`` of every serving endpoint (None: its default;
     #: 0: every copy posted whole)
     serving_piece_bytes: int | None = None
+    #: ``NixlTransport(bulk_bytes=...)`` of every serving endpoint (None: its default for
+    #: the host's cores; 0: no WRITE through the bulk agent)
+    serving_bulk_bytes: int | None = None
     #: ``EndpointConfig.copy_threads`` of every serving endpoint (None: the engine's default;
     #: 0: every host copy on the event loop)
     serving_copy_threads: int | None = None
@@ -116,6 +119,10 @@ class BenchOptions:
                                                      or self.serving_piece_bytes < 0):
             raise ValueError("serving_piece_bytes must be an int >= 0, got "
                              f"{self.serving_piece_bytes!r}")
+        if self.serving_bulk_bytes is not None and (type(self.serving_bulk_bytes) is not int
+                                                    or self.serving_bulk_bytes < 0):
+            raise ValueError("serving_bulk_bytes must be an int >= 0, got "
+                             f"{self.serving_bulk_bytes!r}")
         if self.serving_copy_threads is not None and (
                 type(self.serving_copy_threads) is not int or not 0 <= self.serving_copy_threads <= 64):
             raise ValueError("serving_copy_threads must be an int from 0 to 64, got "

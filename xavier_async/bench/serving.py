@@ -62,6 +62,7 @@ from ..testing.hostprof import ENV as HOST_PROFILE_ENV
 from ..testing.hostprof import HostProfile
 from ..testing.peer_process import LayoutSpec, PeerProcess, PeerSpec, check_requests, pattern_caches, \
     replay_loads, replay_open_loop, split_caches, zero_caches
+from ..transports.nixl_bulk import default_bulk_bytes
 from ..transports.nixl_copies import PIECE_BYTES
 from . import schedstat
 from .raw import RAW_COPIES, raw_floor
@@ -131,8 +132,14 @@ def endpoint_base(o: BenchOptions, merge: bool) -> dict[str, Any]:
 
 
 def transport_kwargs(o: BenchOptions) -> dict[str, Any]:
-    """The NixlTransport keyword arguments of every serving endpoint (``--serving-piece-bytes``)."""
-    return {} if o.serving_piece_bytes is None else {"piece_bytes": o.serving_piece_bytes}
+    """The NixlTransport keyword arguments of every serving endpoint
+    (``--serving-piece-bytes``, ``--serving-bulk-bytes``)."""
+    out: dict[str, Any] = {}
+    if o.serving_piece_bytes is not None:
+        out["piece_bytes"] = o.serving_piece_bytes
+    if o.serving_bulk_bytes is not None:
+        out["bulk_bytes"] = o.serving_bulk_bytes
+    return out
 
 
 def slab_counts(cfg: EndpointConfig) -> dict[str, Any]:
@@ -453,9 +460,14 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
             with schedstat.measured(pids, cpu, "open_loop"):
                 mine["open_loop"], _ = await ph.run(phases["mixed"], CONCURRENCY, rate=rate)
             regs1, mem1 = await registrations(), rss()
+            # WRITEs each process posted through its bulk agent (nixl_bulk)
+            bulk_posts = {names[0]: getattr(ep.transport, "bulk_posts", 0)}
+            for p in peers:
+                bulk_posts[names[p.spec.rank]] = (await _peer_call(p, "transport_stats"))["bulk_posts"]
     full_rate = o.full_bytes / (floor["median_us"] * 1e-6)
     out = {**slab_counts(cfg), "topology": "duplex" if duplex else "three",
            "piece_bytes": transport.get("piece_bytes", PIECE_BYTES),
+           "bulk_bytes": transport.get("bulk_bytes", default_bulk_bytes()),
            "raw_full_copy": {**floor, "gbps": full_rate / 1e9},
            **side_figures(phases, mine, src_layout)}
     ls = out["large_stream"]
@@ -472,6 +484,7 @@ async def run_k(o: BenchOptions, k: int | None, phases: dict[str, list[Load]], s
         "registrations_after_warmup": {name: regs1[name] - regs0[name] for name in regs0},
         "rss_growth_bytes": {name: (mem1[name] - mem0[name]) * 1024 for name in pids},
         "loader_slots": dest,
+        "bulk_posts": bulk_posts,
         # per phase, per process: each stage's host time during that phase
         "stages": stages,
         **({"host_time": host_time} if profile is not None else {}),
@@ -676,6 +689,9 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
         row("max RSS growth (KiB)", lambda r: max(r["rss_growth_bytes"].values()) / 1024, "{:.0f}"),
         row("blocks checked", lambda r: r["bytes_checked"]["blocks"], "{}"),
     ]
+    if any(sum(r.get("bulk_posts", {}).values()) for r in (seed, k1, d)):
+        rows.append(row("WRITEs through the bulk agent",
+                        lambda r: sum(r.get("bulk_posts", {}).values()), "{}"))
     if all("cpu" in r and "open_loop" in r["cpu"] for r in (seed, k1, d)):
         # the host itself: how many cores the processes kept busy, and how long their
         # threads sat runnable without one (Linux schedstat), over the open-loop phase
@@ -715,6 +731,8 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
              + ("; host copies posted whole" if d.get("piece_bytes") == 0 else
                 f"; host copies over {d['piece_bytes'] / MiB:g} MiB posted in pieces"
                 if d.get("piece_bytes") else "")
+             + (f"; host WRITEs of {d['bulk_bytes'] / MiB:g} MiB or more through a second agent"
+                if d.get("bulk_bytes") else "")
              + (f"; {d['copy_threads']} copy threads" if d.get("copy_threads", EndpointConfig.copy_threads) != EndpointConfig.copy_threads else "")
              + (f"; direct writes of up to {d['direct_write_regions']} regions"
                 if d.get("direct_write_regions") else "")
