@@ -732,7 +732,7 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
                 f"; host copies over {d['piece_bytes'] / MiB:g} MiB posted in pieces"
                 if d.get("piece_bytes") else "")
              + (f"; host WRITEs of {d['bulk_bytes'] / MiB:g} MiB or more through a second agent"
-                if d.get("bulk_bytes") else "")
+                if d.get("bulk_bytes") and s.get("device") == "cpu" else "")
              + (f"; {d['copy_threads']} copy threads" if d.get("copy_threads", EndpointConfig.copy_threads) != EndpointConfig.copy_threads else "")
              + (f"; direct writes of up to {d['direct_write_regions']} regions"
                 if d.get("direct_write_regions") else "")
