@@ -24,7 +24,7 @@ import anyio
 
 from .errors import EndpointClosedError
 from .hostcopy import mark_copy_thread
-from .transports.base import loop_waker
+from .transports.base import ended_event
 
 T = TypeVar("T")
 
@@ -53,18 +53,9 @@ class CopyThreads:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self.threads, thread_name_prefix="xavier-copy", initializer=mark_copy_thread)
-        done = anyio.Event()
-        wake = loop_waker()
         fut = self._pool.submit(fn, *args)
         self.copies += 1
-
-        def ended(_: concurrent.futures.Future[T]) -> None:
-            try:
-                wake(done.set)
-            except RuntimeError:  # the loop is gone: nobody waits any more
-                pass
-
-        fut.add_done_callback(ended)
+        done = ended_event(fut)
         with anyio.CancelScope(shield=True):
             await done.wait()
         return fut.result()

@@ -14,6 +14,7 @@ transport only does what it is told and reports failures as :class:`TransferErro
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,6 +41,22 @@ def loop_waker() -> Callable[[Callable[[], object]], object]:
         import trio
 
         return trio.lowlevel.current_trio_token().run_sync_soon
+
+
+def ended_event(fut: concurrent.futures.Future[Any]) -> anyio.Event:
+    """An event of the current loop, set once ``fut`` (a thread's job) has ended; the one
+    way copy threads and the bulk thread wake the loop."""
+    ev = anyio.Event()
+    wake = loop_waker()
+
+    def ended(_: concurrent.futures.Future[Any]) -> None:
+        try:
+            wake(ev.set)
+        except RuntimeError:  # the loop is gone: nobody waits any more
+            pass
+
+    fut.add_done_callback(ended)
+    return ev
 
 
 class TaskSpawner(Protocol):

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from ..errors import EndpointClosedError
-from .base import loop_waker
+from .base import ended_event
 
 if TYPE_CHECKING:
     from .nixl_agent import NixlAgent
@@ -121,16 +121,7 @@ class BulkLane:
         again (the copy goes on). Raises what the post raised."""
         if not w.future.done():
             if w.ended is None:
-                ev = w.ended = anyio.Event()
-                wake = loop_waker()
-
-                def done(_: concurrent.futures.Future[str]) -> None:
-                    try:
-                        wake(ev.set)
-                    except RuntimeError:  # the loop is gone: nobody waits any more
-                        pass
-
-                w.future.add_done_callback(done)
+                w.ended = ended_event(w.future)
             await w.ended.wait()
         return w.future.result()
 
