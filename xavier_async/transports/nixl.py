@@ -51,8 +51,9 @@ from .liveness import Liveness
 from .nixl_agent import (AgentFactory, NixlAgent, nixl_agent_factory, nixl_bulk_agent_factory,
                          nixl_version)
 from .nixl_bulk import BulkLane, _cpus, default_bulk_bytes
-from .nixl_copies import PIECE_BYTES, Copies, _Mapping
+from .nixl_copies import PIECE_BYTES, Copies
 from .nixl_memory import XT, Memory
+from .nixl_peer import _Peer, parse_peer_frame
 from .peering import Peering
 
 if TYPE_CHECKING:
@@ -66,38 +67,6 @@ __all__ = ["INSECURE_ENV", "SECRET_ENV", "AgentFactory", "NixlAgent", "NixlTrans
            "nixl_agent_factory", "parse_address"]
 
 log = logging.getLogger("xavier_async.nixl")
-
-
-class _Peer:
-    __slots__ = ("rank", "agent", "recv_ptrs", "recv_dev", "mem", "fs", "lost", "handles", "hello",
-                 "joined", "told", "direct", "bulk_agent")
-
-    def __init__(self, rank: int, agent: str, recv_ptrs: dict[int, int], recv_dev: int, mem: str,
-                 fs: FrameStream, hello: dict[str, Any], told: set[int]) -> None:
-        self.rank, self.agent, self.recv_dev, self.mem = rank, agent, recv_dev, mem
-        #: the peer's receive slabs we may write: index -> address
-        self.recv_ptrs = recv_ptrs
-        self.fs = fs
-        self.hello = hello
-        self.lost = False
-        self.joined = False
-        #: (our send slab, view bytes, the peer's receive slab) -> _Mapping
-        self.handles: dict[tuple[int, int, int], _Mapping] = {}
-        #: our receive slabs this peer knows (their registrations reached its agent)
-        self.told = told
-        #: (its receive slab, regions of our pools) -> transfer handle, least recently
-        #: used first (writes straight from a snapshot tier)
-        self.direct: OrderedDict[tuple[int, Regions, bool], Any] = OrderedDict()
-        #: the name of the peer's bulk agent (its large WRITEs' notifications), if any
-        self.bulk_agent: str | None = None
-
-    @property
-    def recv_ptr(self) -> int:
-        return self.recv_ptrs[0]
-
-    def agents(self) -> tuple[str, ...]:
-        """The names its notifications come under: its agent's, and its bulk agent's."""
-        return (self.agent,) if self.bulk_agent is None else (self.agent, self.bulk_agent)
 
 
 class NixlTransport(Transport):
@@ -424,20 +393,7 @@ class NixlTransport(Transport):
                 "mem": self._mem, **({"bulk_agent": self._bulk.name} if self._bulk.name else {})}
 
     def _add_peer(self, frame: dict[str, Any], fs: FrameStream, told: set[int] | None = None) -> _Peer:
-        try:  # parse everything before touching the agent
-            rank = frame["hello"]["rank"]
-            meta = base64.b64decode(frame["meta"], validate=True)
-            recv_ptr, recv_dev = int(frame["recv_ptr"]), int(frame.get("recv_dev", 0))
-            recv_ptrs = {int(i): int(p) for i, p in dict(frame.get("recv_slabs", {})).items()}
-            recv_ptrs.setdefault(0, recv_ptr)
-            mem = str(frame.get("mem", "DRAM"))
-            bulk_agent = frame.get("bulk_agent")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HandshakeError(f"malformed handshake from peer: {exc!r}") from None
-        if type(rank) is not int or rank < 0 or mem not in ("DRAM", "VRAM") \
-                or not (bulk_agent is None or (isinstance(bulk_agent, str) and bulk_agent)):
-            raise HandshakeError(f"malformed handshake from peer (rank {rank!r}, memory {mem!r}, "
-                                 f"bulk agent {bulk_agent!r})")
+        hello, rank, meta, recv_ptrs, recv_dev, mem, bulk_agent = parse_peer_frame(frame)
         old = self._peers.get(rank)
         if old is not None and not old.lost:
             raise HandshakeError(f"rank {rank} is already connected")
@@ -448,8 +404,7 @@ class NixlTransport(Transport):
             name = name.decode()
         if self._bulk.agent is not None:  # it writes into this peer's receive slabs too
             self._bulk.agent.add_remote_agent(meta)
-        self._former.pop(name, None)
-        peer = _Peer(rank, name, recv_ptrs, recv_dev, mem, fs, frame["hello"],
+        peer = _Peer(rank, name, recv_ptrs, recv_dev, mem, fs, hello,
                      set(told) if told is not None else {0})
         peer.bulk_agent = bulk_agent if bulk_agent != name else None
         self._peers[rank] = peer
