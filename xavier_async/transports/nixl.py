@@ -399,11 +399,7 @@ class NixlTransport(Transport):
             raise HandshakeError(f"rank {rank} is already connected")
         if old is not None:
             self._drop(rank)
-        name = self._agent.add_remote_agent(meta)
-        if isinstance(name, bytes):
-            name = name.decode()
-        if self._bulk.agent is not None:  # it writes into this peer's receive slabs too
-            self._bulk.agent.add_remote_agent(meta)
+        name = self._memory.add_remote(meta)
         peer = _Peer(rank, name, recv_ptrs, recv_dev, mem, fs, hello,
                      set(told) if told is not None else {0})
         peer.bulk_agent = bulk_agent if bulk_agent != name else None
@@ -434,13 +430,7 @@ class NixlTransport(Transport):
         while len(self._former) > 256:
             self._former.popitem(last=False)
         self._peering.notify()
-        for ours in (self._agent, self._bulk.agent):
-            if ours is None:
-                continue
-            try:
-                ours.remove_remote_agent(peer.agent)
-            except Exception:
-                log.debug("remove_remote_agent failed", exc_info=True)
+        self._memory.remove_remote(peer.agent)
 
     async def forget(self, peer: int) -> None:
         p = self._peers.get(peer)

@@ -18,7 +18,7 @@ raw (``scripts/post_thread.py 3 agents``) on the 16-core host: the small request
   peer's own registered receive slab, which the bulk agent learns as the main one does.
 * Threads: the bulk agent is built with NIXL's ``STRICT`` thread sync, since the loop
   still makes and releases its handles (rarely) while the thread posts and polls.
-* The contract is the loop's own: a started copy is never abandoned. :meth:`BulkLane.wait`
+* The contract is the loop's own: a started copy is never abandoned. :meth:`BulkLane.ended`
   is woken only when the thread's job has ended: DONE, failed, or still posted when its
   peer was lost or ``write_timeout`` passed (then the copy is *stuck* and the poller
   releases its handle once NIXL reports it terminal). Close joins the thread after the

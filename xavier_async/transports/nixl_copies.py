@@ -413,8 +413,6 @@ class Copies:
         peer = cast(Target, w.peer)  # the peer record post() handed over
         try:
             state = await self.bulk.ended(w)
-        except anyio.get_cancelled_exc_class():
-            raise
         except Exception as exc:  # NIXL refused the post: nothing is in flight
             self._settle(peer, w.handle, False)
             raise self._failure(f"an error ({exc!r})", peer, w.nbytes) from exc

@@ -111,6 +111,24 @@ class Memory:
         return (agent or self._agent).get_reg_descs(
             [(slab.tensor.data_ptr(), slab.full.nbytes, self.dev, "")], self.mem)
 
+    def add_remote(self, meta: bytes) -> str:
+        """Load a peer's (full or partial) agent metadata into our agents (the bulk agent
+        writes into the peer's receive slabs too); the peer agent's name."""
+        name = self._agent.add_remote_agent(meta)
+        if self.bulk is not None:
+            self.bulk.add_remote_agent(meta)
+        return name.decode() if isinstance(name, bytes) else name
+
+    def remove_remote(self, name: str) -> None:
+        """Forget a peer's agent in our agents (a failure is logged: the peer is gone)."""
+        for ours in (self.agent, self.bulk):
+            if ours is None:
+                continue
+            try:
+                ours.remove_remote_agent(name)
+            except Exception:
+                log.debug("remove_remote_agent failed", exc_info=True)
+
     def _register_bulk(self, slab: Slab) -> None:
         """A send slab, registered with the bulk agent as well (if there is one)."""
         if self.bulk is not None:
@@ -212,10 +230,7 @@ class Memory:
             if p is None or p.lost:
                 return
             index, ptr = int(body["slab"]), int(body["ptr"])
-            meta = base64.b64decode(body["meta"], validate=True)
-            self._agent.add_remote_agent(meta)
-            if self.bulk is not None:  # it writes into the peer's receive slabs too
-                self.bulk.add_remote_agent(meta)
+            self.add_remote(base64.b64decode(body["meta"], validate=True))
             p.recv_ptrs[index] = ptr
             self._agent.send_notif(agent, XT + json.dumps({"ack": index}).encode())
         except Exception:
