@@ -304,6 +304,22 @@ def test_serving_slabs_option():
         build_parser().parse_args(["bench", "--serving-slabs", "0"])
 
 
+@pytest.mark.parametrize("name, lowest, highest", [
+    ("serving_slabs", 1, 1024), ("serving_small_trips", 1, 1024), ("serving_piece_bytes", 0, None),
+    ("serving_bulk_bytes", 0, None), ("serving_copy_threads", 0, 64),
+    ("serving_direct_write_regions", 0, 4096)])
+def test_serving_int_options_take_their_range_or_none(name, lowest, highest):
+    """Each optional int setting takes None and its bounds, and refuses one past either
+    end, a float, a string and a bool, naming itself and its range."""
+    for good in (None, lowest) + (() if highest is None else (highest,)):
+        assert getattr(BenchOptions(**{name: good}), name) == good
+    span = f">= {lowest}" if highest is None else f"from {lowest} to {highest}"
+    bads = [lowest - 1, float(lowest), str(lowest), True] + ([] if highest is None else [highest + 1])
+    for bad in bads:
+        with pytest.raises(ValueError, match=f"^{name} must be an int {span}, got "):
+            BenchOptions(**{name: bad})
+
+
 def test_serving_rounds_option():
     """--serving-rounds N: how many alternating rounds of the serving runs (1 to 100)."""
     assert BenchOptions().serving_rounds == 1

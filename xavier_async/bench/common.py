@@ -29,6 +29,31 @@ TRACE_MODES = {  # name: (streak, trimmed)
 }
 
 
+#: the options that are an int in a range or None (the engine's default):
+#: (name, lowest, highest or None for no upper bound)
+_OPTIONAL_INTS: tuple[tuple[str, int, int | None], ...] = (
+    ("serving_slabs", 1, 1024),
+    ("serving_small_trips", 1, 1024),
+    ("serving_piece_bytes", 0, None),
+    ("serving_bulk_bytes", 0, None),
+    ("serving_copy_threads", 0, 64),
+    ("serving_direct_write_regions", 0, 4096),
+)
+
+
+def _check_int(name: str, value: object, lowest: int, highest: int | None, *,
+               optional: bool = False, span: str | None = None) -> None:
+    """Raise ValueError unless ``value`` is an int from ``lowest`` to ``highest``
+    (or None, where ``optional``); a bool is no int here."""
+    if value is None and optional:
+        return
+    if type(value) is int and lowest <= value and (highest is None or value <= highest):
+        return
+    if span is None:
+        span = f">= {lowest}" if highest is None else f"from {lowest} to {highest}"
+    raise ValueError(f"{name} must be an int {span}, got {value!r}")
+
+
 @dataclass
 class BenchOptions:
     """What to run. ``quick`` shrinks every count for CI."""
@@ -103,39 +128,13 @@ class BenchOptions:
             raise ValueError(f"compare must be None or 'xoscar', got {self.compare!r}")
         if self.serving_topology not in ("auto", "three", "duplex"):
             raise ValueError(f"serving_topology must be auto, three or duplex, got {self.serving_topology!r}")
-        if self.serving_slabs is not None and (type(self.serving_slabs) is not int
-                                               or not 1 <= self.serving_slabs <= 1024):
-            raise ValueError(f"serving_slabs must be an int from 1 to 1024, got {self.serving_slabs!r}")
-        if self.serving_merge_small is not None and (
-                type(self.serving_merge_small) is not int
-                or not self.small_bytes <= self.serving_merge_small <= self.full_bytes):
-            raise ValueError("serving_merge_small must be an int from the small view to the full "
-                             f"slab, got {self.serving_merge_small!r}")
-        if self.serving_small_trips is not None and (type(self.serving_small_trips) is not int
-                                                     or not 1 <= self.serving_small_trips <= 1024):
-            raise ValueError("serving_small_trips must be an int from 1 to 1024, got "
-                             f"{self.serving_small_trips!r}")
-        if self.serving_piece_bytes is not None and (type(self.serving_piece_bytes) is not int
-                                                     or self.serving_piece_bytes < 0):
-            raise ValueError("serving_piece_bytes must be an int >= 0, got "
-                             f"{self.serving_piece_bytes!r}")
-        if self.serving_bulk_bytes is not None and (type(self.serving_bulk_bytes) is not int
-                                                    or self.serving_bulk_bytes < 0):
-            raise ValueError("serving_bulk_bytes must be an int >= 0, got "
-                             f"{self.serving_bulk_bytes!r}")
-        if self.serving_copy_threads is not None and (
-                type(self.serving_copy_threads) is not int or not 0 <= self.serving_copy_threads <= 64):
-            raise ValueError("serving_copy_threads must be an int from 0 to 64, got "
-                             f"{self.serving_copy_threads!r}")
-        if self.serving_direct_write_regions is not None and (
-                type(self.serving_direct_write_regions) is not int
-                or not 0 <= self.serving_direct_write_regions <= 4096):
-            raise ValueError("serving_direct_write_regions must be an int from 0 to 4096, got "
-                             f"{self.serving_direct_write_regions!r}")
+        for name, lowest, highest in _OPTIONAL_INTS:
+            _check_int(name, getattr(self, name), lowest, highest, optional=True)
+        _check_int("serving_merge_small", self.serving_merge_small, self.small_bytes,
+                   self.full_bytes, optional=True, span="from the small view to the full slab")
         if self.reply_spin is not None:  # (InvalidRequestError is a ValueError)
             check_number("reply_spin", self.reply_spin, maximum=MAX_REPLY_SPIN)
-        if type(self.serving_rounds) is not int or not 1 <= self.serving_rounds <= 100:
-            raise ValueError(f"serving_rounds must be an int from 1 to 100, got {self.serving_rounds!r}")
+        _check_int("serving_rounds", self.serving_rounds, 1, 100)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         for name in ("full_bytes", "small_bytes", "copies", "warmup", "loads", "trace_batches",
