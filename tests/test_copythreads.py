@@ -111,3 +111,77 @@ async def test_an_endpoints_large_loads_are_copied_on_its_threads(threads: int) 
     for s in range(1, 13):
         assert_same_bytes(dst[0][s], src[0][s])
     assert a._rt.copies._pool is None  # joined at close
+
+
+async def test_every_piece_of_a_split_copy_is_waited_for_and_the_first_failure_raised() -> None:
+    """run_all hands every piece over at once (each on its own thread), waits for all of
+    them through a cancellation, then raises the first piece's failure."""
+    copies = CopyThreads(3, 1)
+    started = threading.Barrier(3, timeout=5)  # all three pieces run at the same time
+    release = threading.Event()
+    finished: list[int] = []
+
+    def piece(i: int) -> None:
+        started.wait()
+        release.wait(5)
+        finished.append(i)
+        if i:
+            raise ValueError(f"piece {i}")
+
+    import functools
+    failed: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            await copies.run_all([functools.partial(piece, i) for i in range(3)])
+        except ValueError as exc:
+            failed.append(exc)
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.sleep(0.05)
+            scope.cancel()  # the pieces are running: the wait is shielded
+            await anyio.sleep(0.05)
+            assert not finished
+            release.set()
+    assert sorted(finished) == [0, 1, 2]
+    assert [str(e) for e in failed] == ["piece 1"]
+    assert copies.split_copies == 1
+    copies.close()
+
+
+def test_a_copy_is_cut_across_the_threads_only_when_large() -> None:
+    assert [CopyThreads(2, 1 << 20).parts(n) for n in (1 << 20, (2 << 20) - 1, 2 << 20, 12 << 20)] \
+        == [1, 1, 2, 2]
+    assert CopyThreads(4, 1 << 20).parts(3 << 20) == 3
+    assert CopyThreads(1, 1 << 20).parts(12 << 20) == 1
+    assert CopyThreads(4, 1 << 20, split=False).parts(12 << 20) == 1
+    assert EndpointConfig().split_copies is True
+    with pytest.raises(InvalidRequestError, match="split_copies"):
+        EndpointConfig(split_copies=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("split", [True, False])
+async def test_an_endpoints_large_copies_are_cut_across_its_threads(split: bool, store: bool) -> None:
+    """A batch of at least twice ``copy_thread_bytes`` is packed (from the snapshot store,
+    or from the live slots) and unpacked in pieces on both copy threads at once, with the
+    right bytes; with ``split_copies=False`` on one thread each."""
+    from dataclasses import replace
+
+    from .conftest import SMALL_CFG, assert_same_bytes, cluster, random_cache
+
+    cfg = replace(SMALL_CFG, copy_threads=2, copy_thread_bytes=4 * 1024, split_copies=split,
+                  **({} if store else {"snapshot_gpu_bytes": 0, "snapshot_cpu_bytes": 0}))
+    src = {0: random_cache(16, (256,), torch.float32, seed=5)}  # 1 KiB blocks
+    dst = {0: random_cache(16, (256,), torch.float32, seed=6)}
+    async with cluster([dst, src], cfg) as (a, b):
+        assert (b._source.store is not None) is store
+        for s in range(16):
+            b.publish(f"k{s}", s)
+        await a.load({1: {0: {f"k{s}": 15 - s for s in range(12)}}})  # 12 KiB, scattered
+        assert a._rt.copies.copies == b._rt.copies.copies == 1
+        assert a._rt.copies.split_copies == b._rt.copies.split_copies == int(split)
+    for s in range(12):
+        assert_same_bytes(dst[0][15 - s], src[0][s])

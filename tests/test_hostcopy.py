@@ -113,3 +113,42 @@ async def test_the_endpoints_copy_threads_batch():
         threads.close()
     assert hostcopy.stats["syscall_tables"] == before + 1
     _check(src, dst, 256, 4096, 64)
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from xavier_async.hostcopy import split_runs  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3), st.integers(0, 3)), max_size=8),
+       st.integers(-1, 6))
+def test_a_table_cut_into_parts_writes_each_byte_from_the_same_source(runs, parts) -> None:
+    """split_runs: at most ``parts`` tables, no empty run, about equal bytes (within one),
+    and together they write every destination byte from the same source byte as the whole."""
+    dst, src, ns, d, s = [], [], [], 0, 10_000
+    for n, dgap, sgap in runs:
+        dst.append(d)
+        src.append(s)
+        ns.append(n)
+        d, s = d + n + dgap, s + n + sgap
+
+    def bytes_of(table) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for a, b, n in zip(*table):
+            for i in range(n):
+                assert a + i not in out
+                out[a + i] = b + i
+        return out
+
+    pieces = split_runs(dst, src, ns, parts)
+    assert 1 <= len(pieces) <= max(1, parts)
+    whole: dict[int, int] = {}
+    for piece in pieces:
+        whole.update(bytes_of(piece))
+    assert whole == bytes_of((dst, src, ns))
+    if parts > 1 and sum(ns):
+        assert all(all(p[2]) for p in pieces)
+        sizes = [sum(p[2]) for p in pieces]
+        assert max(sizes) - min(sizes) <= 1
+        assert len(pieces) == min(parts, sum(ns))

@@ -148,6 +148,11 @@ class EndpointConfig:
     A request that needs such a pack is served from the serve queue, never inline from
     the poller. The threads start on first use and are joined at close; a started copy
     is always waited for to its end. Copies of GPU memory are kernels and never use them.
+
+    ``split_copies``: a host copy of at least twice ``copy_thread_bytes`` is cut into
+    pieces of about equal bytes (at least ``copy_thread_bytes`` each), one for each copy
+    thread, copied at once (default on; False: each copy on one thread). One thread's
+    scattered 12 MiB unpack ran at 3.3 GB/s on the 2-core machine, two at once at 7.0 GB/s.
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -172,6 +177,7 @@ class EndpointConfig:
     direct_write_regions: int | None = None
     copy_threads: int = 2
     copy_thread_bytes: int = 1 * MiB
+    split_copies: bool = True
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -211,6 +217,7 @@ class EndpointConfig:
                                                            minimum=0, maximum=64))
         object.__setattr__(self, "copy_thread_bytes", check_size("copy_thread_bytes",
                                                                  self.copy_thread_bytes))
+        check_bool("split_copies", self.split_copies)
         check_number("request_timeout", self.request_timeout, strictly_positive=True)
         object.__setattr__(self, "reply_spin", check_number("reply_spin", self.reply_spin,
                                                             maximum=MAX_REPLY_SPIN))

@@ -109,4 +109,49 @@ def copy_runs(dst: list[int], src: list[int], ns: list[int]) -> None:
     stats["syscall_tables"] += 1
 
 
-__all__ = ["IOV_MAX", "MAX_MEAN_RUN", "MIN_RUNS", "copy_runs", "mark_copy_thread"]
+def split_runs(dst: list[int], src: list[int], ns: list[int],
+               parts: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """Cut a run table into at most ``parts`` tables of about equal bytes, in order (a run
+    that a cut falls inside is cut there too), for as many threads to copy at once: every
+    destination byte is written from the same source byte as by the whole table. Empty
+    parts are left out; ``parts`` <= 1 returns the table whole."""
+    total = sum(ns)
+    if parts <= 1 or total == 0:
+        return [(dst, src, ns)]
+    out: list[tuple[list[int], list[int], list[int]]] = []
+    d: list[int] = []
+    s: list[int] = []
+    n: list[int] = []
+    done = 0                             # bytes placed in finished parts and in d, s, n
+    index = 1
+    cut = -(-total // parts)             # where part ``index`` ends (ceiling)
+    for a, b, k in zip(dst, src, ns):
+        while k and done + k >= cut:     # this run reaches the cut: its head ends the part
+            head = cut - done
+            if head:
+                d.append(a)
+                s.append(b)
+                n.append(head)
+                a, b, k = a + head, b + head, k - head
+            if n:
+                out.append((d, s, n))
+                d, s, n = [], [], []
+            done = cut
+            if done == total:
+                break
+            index += 1                   # the next cut past this one (fewer bytes than
+            cut = -(-index * total // parts)  # parts: some cuts fall together)
+            while cut <= done:
+                index += 1
+                cut = -(-index * total // parts)
+        if k:
+            d.append(a)
+            s.append(b)
+            n.append(k)
+            done += k
+    if n:
+        out.append((d, s, n))
+    return out
+
+
+__all__ = ["IOV_MAX", "MAX_MEAN_RUN", "MIN_RUNS", "copy_runs", "mark_copy_thread", "split_runs"]

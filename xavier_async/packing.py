@@ -470,6 +470,12 @@ def _current_raw_stream(device: torch.device) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
+def host_runs(slab: SlabRows) -> bool:
+    """Whether :func:`pack` and :func:`unpack` copy ``slab``'s batches as host run tables
+    (memmoves) when no ``device_runs`` is given."""
+    return slab.device.type == "cpu" and HOST_MEMMOVE
+
+
 def pack(slab: SlabRows, segments: Sequence[Segment], slot_lists: Sequence[Sequence[int]],
          caches: CacheTable, device_runs: DeviceRuns | None = None) -> Any:
     """Source side, one pass: copy the blocks into the slab. On the CPU, memmoves from a

@@ -37,7 +37,7 @@ from .errors import (EndpointClosedError, IntegrityError, InternalError, Invalid
 from .fairpool import Ticket
 from .layout import BlockKey, LayerId
 from .merging import MergedBatch, Moved
-from .packing import RunTable, SlabRows, run_host, unpack, unpack_runs
+from .packing import RunTable, SlabRows, unpack, unpack_runs
 from .peers import PeerTable
 from .planning import LoadRequest, PlannedBatch, Planner
 from .protocol import Error, Landed, PendingRequest, Probe, RequestTable, load_wire
@@ -474,7 +474,7 @@ class Receiver:
             # a large host unpack: on a copy thread, so the loop serves small loads meanwhile
             host = table if table is not None else unpack_runs(rows, batch, caches.table)
             if host is not None:
-                await copies.run(run_host, host)
+                await copies.run_runs(host)
                 return
         event = unpack(rows, batch, caches.table, caches.device_runs,
                        wait=False, table=table)

@@ -87,7 +87,8 @@ class Runtime:
         self.life = Lifecycle()
         self.tasks: Tasks | None = None
         host = caches.layout.device.type == "cpu"
-        self.copies = CopyThreads(config.copy_threads if host else 0, config.copy_thread_bytes)
+        self.copies = CopyThreads(config.copy_threads if host else 0, config.copy_thread_bytes,
+                                  split=config.split_copies)
         #: loads and copies in flight (close waits for them)
         self.inflight = 0
         self._idle: anyio.Event | None = None

@@ -19,8 +19,9 @@ and admission are :mod:`xavier_async.snapshot_index`'s; this module does the cop
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
@@ -30,8 +31,9 @@ import numpy as np
 import torch
 
 from .errors import AllocationError, InvalidRequestError
+from .hostcopy import split_runs
 from .layout import BlockKey, CacheLayout, LayerId
-from .packing import DeviceRuns, RunTable, SlabRows, merged_runs, run_host
+from .packing import DeviceRuns, RunTable, merged_runs, run_host
 from .planning import BlockSpec, Segment, SegmentItem
 from .snapshot_index import DEVICE, HOST, Admission, SnapshotIndex
 
@@ -56,6 +58,13 @@ class PublishResult:
 #: a serve's gather runs: (destinations, sources, sizes) as lists, or numpy arrays for a
 #: large batch served from host memory (:meth:`SnapshotStore.serve`)
 GatherRuns = tuple[Any, Any, Any]
+
+
+def _listed(table: GatherRuns) -> RunTable:
+    """A gather table as lists (:meth:`SnapshotStore.serve` may give numpy columns)."""
+    if isinstance(table[0], np.ndarray):
+        return table[0].tolist(), table[1].tolist(), table[2].tolist()
+    return table
 
 
 class StoreTable:
@@ -441,11 +450,23 @@ class SnapshotStore:
         one after another, else memmoves."""
         if self._runs is None:
             if slab is None or not self._gather_rows(table, slab):
-                if isinstance(table[0], np.ndarray):
-                    table = (table[0].tolist(), table[1].tolist(), table[2].tolist())
-                run_host(table)
+                run_host(_listed(table))
             return None
         return self._runs.run(table)
+
+    def gathers(self, table: GatherRuns, slab: torch.Tensor, parts: int) -> list[Callable[[], Any]]:
+        """:meth:`run` of ``table`` into ``slab`` as at most ``parts`` copies of about equal
+        bytes that may run at once on as many threads (host memory; on CUDA, and for
+        ``parts`` <= 1, the one copy :meth:`run` makes)."""
+        if self._runs is not None or parts <= 1:
+            return [functools.partial(self.run, table, slab)]
+        rows = self._rows_gather(table, slab)
+        if rows is not None:
+            pool, index, out = rows
+            cut = [len(index) * i // parts for i in range(parts + 1)]
+            return [functools.partial(torch.index_select, pool, 0, index[a:b], out=out[a:b])
+                    for a, b in zip(cut, cut[1:]) if b > a]
+        return [functools.partial(run_host, piece) for piece in split_runs(*_listed(table), parts)]
 
     #: from this many runs a host gather is worth one ``index_select`` (a Python memmove
     #: per run costs about as much as moving its 8 KiB)
@@ -456,15 +477,26 @@ class SnapshotStore:
         one run per (hash, layer), all the same size, landing one after another) as ONE
         ``index_select`` of pool rows into the slab, instead of a memmove per run.
         False (nothing copied) when the runs do not have that shape."""
+        rows = self._rows_gather(table, slab)
+        if rows is None:
+            return False
+        pool, index, out = rows
+        torch.index_select(pool, 0, index, out=out)
+        return True
+
+    def _rows_gather(self, table: GatherRuns, slab: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(pool rows, row index, slab rows) of :meth:`_gather_rows`'s ``index_select``
+        for ``table``; None when the runs do not have that shape."""
         count = len(table[2])
         if count < self.ROWS_FROM:
-            return False
+            return None
         dst, src, ns = (np.asarray(x, dtype=np.int64) for x in table)
         n = int(ns[0])
         d0 = int(dst[0]) - slab.data_ptr()
         if (d0 < 0 or d0 % n or d0 + count * n > slab.numel() or not (ns == n).all()
                 or not (np.diff(dst) == n).all()):
-            return False
+            return None
         for pool in (self.device_pool, self.host_pool):
             if pool is None or not pool.numel() or pool.numel() % n:
                 continue
@@ -472,9 +504,8 @@ class SnapshotStore:
             if s.min() < 0 or s.max() + n > pool.numel() or (s % n).any():
                 continue
             rows = slab.view(-1)[d0:d0 + count * n].view(count, n)
-            torch.index_select(pool.view(-1, n), 0, torch.from_numpy(s // n), out=rows)
-            return True
-        return False
+            return pool.view(-1, n), torch.from_numpy(s // n), rows
+        return None
 
     def writable_directly(self, table: GatherRuns) -> bool:
         """Whether a gather's sources may be written to a peer straight from the store:

@@ -32,7 +32,8 @@ from .errors import (EndpointClosedError, InternalError, InvalidRequestError, Pe
 from .fairpool import FairPool, Ticket
 from .layout import BlockKey, LayerId, check_key, check_layers, check_slot
 from ._checks import check_int
-from .packing import SlabRows, pack
+from .hostcopy import split_runs
+from .packing import SlabRows, host_runs, pack, pack_table, run_host
 from .peers import PeerTable
 from .decision import (BlockShapes, Decision, NeedsMapping, ParsedLoad, Ready, Refuse, check_epoch,
                        check_probe, decide, parse_load)
@@ -261,25 +262,32 @@ class Source:
         self._rt.stages.lookup.record(perf_counter_ns() - t)
         return d
 
-    def _prepare(self, ready: Ready, send: int) -> tuple[tuple[int, int], Regions, Callable[[], Any] | None]:
+    def _prepare(self, ready: Ready, send: int, parts: int = 1
+                 ) -> tuple[tuple[int, int], Regions, list[Callable[[], Any]]]:
         """Choose how ``ready`` reaches the peer through send slab ``send``: returns the
-        store's tier counts, the regions of a direct write (empty: gathered) and the copy
-        that gathers it into the slab (None for a direct write; it returns a CUDA event
-        to wait on, or None). With a store, its slots are leased until the copy is
-        terminal (released with the send slab)."""
+        store's tier counts, the regions of a direct write (empty: gathered) and the
+        copies that gather it into the slab (none for a direct write; at most ``parts``
+        of about equal bytes that may run at once on as many copy threads, host memory
+        only; with ``parts`` 1, one copy, which returns a CUDA event to wait on, or None).
+        With a store, its slots are leased until the copy is terminal (released with the
+        send slab)."""
         load = ready.load
         caches, store = self._rt.caches, self.store
-        if store is None:
-            return (0, 0), (), functools.partial(pack, self._rows[send], load.segments, ready.slot_lists,
-                                                 caches.table, caches.device_runs)
         rows = self._rows[send]
+        if store is None:
+            if parts > 1 and caches.device_runs is None and host_runs(rows):
+                table = pack_table(rows.ptr, load.segments, ready.slot_lists, caches.table)
+                return (0, 0), (), [functools.partial(run_host, piece)
+                                    for piece in split_runs(*table, parts)]
+            return (0, 0), (), [functools.partial(pack, rows, load.segments, ready.slot_lists,
+                                                  caches.table, caches.device_runs)]
         self._leased[send], tiers, table = store.serve(rows.ptr, load.segment_items(),
                                                        ready.slot_lists, load.block)
         if (self._direct and not load.verify and len(table[2]) <= self._direct_max
                 and store.writable_directly(table)):
             # few regions: written straight from the store, nothing gathered
-            return tiers, tuple((int(s), int(d) - rows.ptr, int(n)) for d, s, n in zip(*table)), None
-        return tiers, (), functools.partial(store.run, table, self.slabs[send].tensor)
+            return tiers, tuple((int(s), int(d) - rows.ptr, int(n)) for d, s, n in zip(*table)), []
+        return tiers, (), store.gathers(table, self.slabs[send].tensor, parts)
 
     def _off_loop(self, load: ParsedLoad) -> bool:
         """Whether serving ``load`` packs on a copy thread (a large host gather)."""
@@ -290,9 +298,10 @@ class Source:
         for), before the machine commits: the loop serves other requests meanwhile."""
         t_pack = perf_counter_ns()
         try:
-            tiers, regions, copy = self._prepare(ready, send)
-            if copy is not None:
-                await self._rt.copies.run(copy)
+            copies = self._rt.copies
+            tiers, regions, gathers = self._prepare(ready, send, copies.parts(ready.load.payload))
+            if gathers:
+                await copies.run_all(gathers)
         except XavierError:
             raise
         except Exception as exc:
@@ -313,8 +322,8 @@ class Source:
         t_pack = perf_counter_ns()
         try:
             if packed is None:
-                tiers, regions, copy = self._prepare(ready, send)
-                event = copy() if copy is not None else None
+                tiers, regions, gathers = self._prepare(ready, send)
+                event = gathers[0]() if gathers else None
                 if event is not None:  # NIXL does not order against CUDA streams
                     event.synchronize()
             else:

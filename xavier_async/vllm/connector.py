@@ -25,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole)
 
-from ..errors import InvalidRequestError
 from .directory import Directory
 from .feed import FeedServer, feed_name
 from .metadata import StepPlan
