@@ -47,7 +47,7 @@ EXPERT_FLAGS = ("--full", "--small", "--copies", "--loads", "--trace-batches", "
                 "--alloc-copies", "--alloc-loads", "--no-descriptors", "--no-protocol-floor",
                 "--no-load-timeline", "--seed", "--pin", "--no-pin", "--serving-topology",
                 "--serving-slabs", "--serving-merge-small", "--serving-small-trips",
-                "--serving-trimmed", "--serving-piece-bytes", "--serving-bulk-bytes", "--serving-copy-threads", "--serving-direct-write-regions", "--reply-spin", "--serving-rounds", "--serving-host-profile")
+                "--serving-trimmed", "--serving-piece-bytes", "--serving-bulk-bytes", "--serving-copy-threads", "--serving-whole-copies", "--serving-direct-write-regions", "--reply-spin", "--serving-rounds", "--serving-host-profile")
 
 
 class _HelpAll(argparse.Action):
@@ -164,6 +164,10 @@ def build_parser(expert: bool = False) -> argparse.ArgumentParser:
                    help="EndpointConfig.copy_threads of the serving section's endpoints (0: "
                         "every host pack and unpack on the event loop); default: the engine's "
                         "default (2)")
+    b.add_argument("--serving-whole-copies", action="store_false", dest="serving_split_copies",
+                   help="the serving section's endpoints copy each large host pack and unpack "
+                        "on one copy thread (EndpointConfig.split_copies=False) instead of "
+                        "cut across all of them")
     b.add_argument("--serving-direct-write-regions", type=int, metavar="N", default=None,
                    help="EndpointConfig.direct_write_regions of the serving section's endpoints "
                         "(a serve from the store in at most N regions is written straight from "
@@ -287,6 +291,7 @@ def _bench(args: argparse.Namespace) -> int:
                             serving_piece_bytes=args.serving_piece_bytes,
                             serving_bulk_bytes=args.serving_bulk_bytes,
                             serving_copy_threads=args.serving_copy_threads,
+                            serving_split_copies=args.serving_split_copies,
                             serving_direct_write_regions=args.serving_direct_write_regions,
                             reply_spin=args.reply_spin,
                             serving_host_profile=args.serving_host_profile,
