@@ -448,7 +448,7 @@ def test_slab_counts_reach_the_config():
                                                            "merge_small_bytes": small,
                                                            "small_round_trips": None,
                                                            "trimmed": False, "copy_threads": 2,
-                                                           "split_copies": True,
+                                                           "split_copies": False,
                                                            "direct_write_regions": None}
     assert slab_counts(config_for(3, full_bytes=FULL, merge_small_bytes=FULL))["merge_small_bytes"] == FULL
     default = EndpointConfig()
@@ -457,7 +457,7 @@ def test_slab_counts_reach_the_config():
                                              "merge_small_bytes": default.small_bytes,
                                              "small_round_trips": None, "trimmed": False,
                                              "copy_threads": default.copy_threads,
-                                             "split_copies": True,
+                                             "split_copies": False,
                                              "direct_write_regions": None}
     from xavier_async.bench.serving import endpoint_base
     from xavier_async.bench.suite import BenchOptions
@@ -482,11 +482,11 @@ def test_slab_counts_reach_the_config():
         with pytest.raises(ValueError, match="serving_copy_threads"):
             BenchOptions(serving_copy_threads=bad)
     assert build_parser().parse_args(["bench", "--serving-copy-threads", "0"]).serving_copy_threads == 0
-    o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, serving_split_copies=False)
-    assert {slab_counts(config_for(k, m, **endpoint_base(o, m)))["split_copies"]  # --serving-whole-copies
-            for k, m in ((1, False), (1, True), (None, True))} == {False}
-    assert build_parser().parse_args(["bench", "--serving-whole-copies"]).serving_split_copies is False
-    assert build_parser().parse_args(["bench"]).serving_split_copies is True
+    o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, serving_split_copies=True)
+    assert {slab_counts(config_for(k, m, **endpoint_base(o, m)))["split_copies"]  # --serving-split-copies
+            for k, m in ((1, False), (1, True), (None, True))} == {True}
+    assert build_parser().parse_args(["bench", "--serving-split-copies"]).serving_split_copies is True
+    assert build_parser().parse_args(["bench"]).serving_split_copies is False
     for regions in (0, 64):                                  # --serving-direct-write-regions: every run
         o = BenchOptions(full_bytes=FULL, small_bytes=SMALL, serving_direct_write_regions=regions)
         assert {slab_counts(config_for(k, m, **endpoint_base(o, m)))["direct_write_regions"]

@@ -116,7 +116,7 @@ async def test_an_endpoints_large_loads_are_copied_on_its_threads(threads: int) 
 async def test_every_piece_of_a_split_copy_is_waited_for_and_the_first_failure_raised() -> None:
     """run_all hands every piece over at once (each on its own thread), waits for all of
     them through a cancellation, then raises the first piece's failure."""
-    copies = CopyThreads(3, 1)
+    copies = CopyThreads(3, 1, split=True)
     started = threading.Barrier(3, timeout=5)  # all three pieces run at the same time
     release = threading.Event()
     finished: list[int] = []
@@ -152,12 +152,12 @@ async def test_every_piece_of_a_split_copy_is_waited_for_and_the_first_failure_r
 
 
 def test_a_copy_is_cut_across_the_threads_only_when_large() -> None:
-    assert [CopyThreads(2, 1 << 20).parts(n) for n in (1 << 20, (2 << 20) - 1, 2 << 20, 12 << 20)] \
-        == [1, 1, 2, 2]
-    assert CopyThreads(4, 1 << 20).parts(3 << 20) == 3
-    assert CopyThreads(1, 1 << 20).parts(12 << 20) == 1
-    assert CopyThreads(4, 1 << 20, split=False).parts(12 << 20) == 1
-    assert EndpointConfig().split_copies is True
+    assert [CopyThreads(2, 1 << 20, split=True).parts(n)
+            for n in (1 << 20, (2 << 20) - 1, 2 << 20, 12 << 20)] == [1, 1, 2, 2]
+    assert CopyThreads(4, 1 << 20, split=True).parts(3 << 20) == 3
+    assert CopyThreads(1, 1 << 20, split=True).parts(12 << 20) == 1
+    assert CopyThreads(4, 1 << 20).parts(12 << 20) == 1  # off by default
+    assert EndpointConfig().split_copies is False
     with pytest.raises(InvalidRequestError, match="split_copies"):
         EndpointConfig(split_copies=1)  # type: ignore[arg-type]
 

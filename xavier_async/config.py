@@ -151,8 +151,11 @@ class EndpointConfig:
 
     ``split_copies``: a host copy of at least twice ``copy_thread_bytes`` is cut into
     pieces of about equal bytes (at least ``copy_thread_bytes`` each), one for each copy
-    thread, copied at once (default on; False: each copy on one thread). One thread's
-    scattered 12 MiB unpack ran at 3.3 GB/s on the 2-core machine, two at once at 7.0 GB/s.
+    thread, copied at once. Off by default: alone, one thread's scattered 12 MiB table
+    ran at 3.3 GB/s on the 2-core machine and two at once at 7.0 GB/s, but in the serving
+    bench there (three processes on two cores) the split took both cores from the small
+    loads (open-loop small p99 16.8-17.1 ms against 7.5-11.2 ms) and left the stream as
+    it was (0.35-0.36 of raw against 0.29-0.34).
     """
 
     full_bytes: int = DEFAULT_FULL_BYTES
@@ -177,7 +180,7 @@ class EndpointConfig:
     direct_write_regions: int | None = None
     copy_threads: int = 2
     copy_thread_bytes: int = 1 * MiB
-    split_copies: bool = True
+    split_copies: bool = False
     sizes: SlabSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

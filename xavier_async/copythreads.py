@@ -8,9 +8,10 @@ small batches; it only hands the copy over and is woken when it ends. A table of
 small runs is copied there in a few system calls (:mod:`xavier_async.hostcopy`), so that
 the thread does not wait for the GIL once a run. A table of at least twice
 ``copy_thread_bytes`` is cut into pieces of about equal bytes (at least
-``copy_thread_bytes`` each) that every thread copies at once (:meth:`CopyThreads.run_runs`):
-one thread's ``process_vm_readv`` moved a scattered 12 MiB table at 3.3 GB/s on the 2-core
-machine, two threads at once 7.0 GB/s (``scripts/split_copy.py``).
+``copy_thread_bytes`` each) that every thread copies at once (:meth:`CopyThreads.run_runs`;
+``EndpointConfig.split_copies``, off by default): one thread's ``process_vm_readv`` moved
+a scattered 12 MiB table at 3.3 GB/s on the 2-core machine, two threads at once 7.0 GB/s
+(``scripts/split_copy.py``).
 
 The contract is the loop's own: a started copy is never abandoned. Its wait is shielded,
 so a cancellation that arrives meanwhile is delivered once the copy has ended, and close
@@ -38,7 +39,7 @@ class CopyThreads:
     """``threads`` copy threads (0: every copy runs on the loop), for copies of at least
     ``min_bytes``; started on first use, joined by :meth:`close`."""
 
-    def __init__(self, threads: int, min_bytes: int, *, split: bool = True) -> None:
+    def __init__(self, threads: int, min_bytes: int, *, split: bool = False) -> None:
         self.threads = threads
         self.min_bytes = min_bytes
         #: whether :meth:`run_runs` cuts a large table across the threads

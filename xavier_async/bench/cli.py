@@ -47,7 +47,7 @@ EXPERT_FLAGS = ("--full", "--small", "--copies", "--loads", "--trace-batches", "
                 "--alloc-copies", "--alloc-loads", "--no-descriptors", "--no-protocol-floor",
                 "--no-load-timeline", "--seed", "--pin", "--no-pin", "--serving-topology",
                 "--serving-slabs", "--serving-merge-small", "--serving-small-trips",
-                "--serving-trimmed", "--serving-piece-bytes", "--serving-bulk-bytes", "--serving-copy-threads", "--serving-whole-copies", "--serving-direct-write-regions", "--reply-spin", "--serving-rounds", "--serving-host-profile")
+                "--serving-trimmed", "--serving-piece-bytes", "--serving-bulk-bytes", "--serving-copy-threads", "--serving-split-copies", "--serving-direct-write-regions", "--reply-spin", "--serving-rounds", "--serving-host-profile")
 
 
 class _HelpAll(argparse.Action):
@@ -164,10 +164,10 @@ def build_parser(expert: bool = False) -> argparse.ArgumentParser:
                    help="EndpointConfig.copy_threads of the serving section's endpoints (0: "
                         "every host pack and unpack on the event loop); default: the engine's "
                         "default (2)")
-    b.add_argument("--serving-whole-copies", action="store_false", dest="serving_split_copies",
-                   help="the serving section's endpoints copy each large host pack and unpack "
-                        "on one copy thread (EndpointConfig.split_copies=False) instead of "
-                        "cut across all of them")
+    b.add_argument("--serving-split-copies", action="store_true",
+                   help="the serving section's endpoints cut each large host pack and unpack "
+                        "across all their copy threads (EndpointConfig.split_copies) instead "
+                        "of one copy thread a copy")
     b.add_argument("--serving-direct-write-regions", type=int, metavar="N", default=None,
                    help="EndpointConfig.direct_write_regions of the serving section's endpoints "
                         "(a serve from the store in at most N regions is written straight from "

@@ -110,9 +110,9 @@ class BenchOptions:
     #: ``EndpointConfig.copy_threads`` of every serving endpoint (None: the engine's default;
     #: 0: every host copy on the event loop)
     serving_copy_threads: int | None = None
-    #: ``EndpointConfig.split_copies`` of every serving endpoint (False: each large host
-    #: copy on one copy thread)
-    serving_split_copies: bool = True
+    #: ``EndpointConfig.split_copies`` of every serving endpoint (True: each large host
+    #: copy cut across the copy threads)
+    serving_split_copies: bool = False
     #: ``EndpointConfig.direct_write_regions`` of every serving endpoint (None: the
     #: engine's default for the caches' device; 0: always gather)
     serving_direct_write_regions: int | None = None

@@ -112,7 +112,7 @@ def config_for(k: int | None, merge: bool = True, **base: Any) -> EndpointConfig
 
 def endpoint_base(o: BenchOptions, merge: bool) -> dict[str, Any]:
     """The EndpointConfig fields of every endpoint of a run, before K and merging: the
-    sizes, ``--serving-trimmed``, ``--serving-copy-threads``, ``--serving-whole-copies``,
+    sizes, ``--serving-trimmed``, ``--serving-copy-threads``, ``--serving-split-copies``,
     ``--serving-direct-write-regions``, ``--serving-merge-small`` and ``--serving-small-trips``
     (merged runs only), and every
     (send slab, view, receive slab) mapped as peers join, as a serving engine would
@@ -122,8 +122,8 @@ def endpoint_base(o: BenchOptions, merge: bool) -> dict[str, Any]:
         base["trimmed"] = True
     if o.serving_copy_threads is not None:
         base["copy_threads"] = o.serving_copy_threads
-    if not o.serving_split_copies:
-        base["split_copies"] = False
+    if o.serving_split_copies:
+        base["split_copies"] = True
     if o.serving_direct_write_regions is not None:
         base["direct_write_regions"] = o.serving_direct_write_regions
     if merge and o.serving_merge_small is not None:
@@ -736,7 +736,7 @@ def serving_tables(s: dict[str, Any]) -> list[tuple[str, list[list[str]], list[s
              + (f"; host WRITEs of {d['bulk_bytes'] / MiB:g} MiB or more through a second agent"
                 if d.get("bulk_bytes") and s.get("device") == "cpu" else "")
              + (f"; {d['copy_threads']} copy threads" if d.get("copy_threads", EndpointConfig.copy_threads) != EndpointConfig.copy_threads else "")
-             + ("; each large host copy on one copy thread" if d.get("split_copies") is False else "")
+             + ("; large host copies cut across the copy threads" if d.get("split_copies") else "")
              + (f"; direct writes of up to {d['direct_write_regions']} regions"
                 if d.get("direct_write_regions") else "")
              + (f"; at most {d['small_round_trips']} small round trips per source"
