@@ -482,7 +482,7 @@ def pack(slab: SlabRows, segments: Sequence[Segment], slot_lists: Sequence[Seque
     run table (any scatter); on CUDA with ``device_runs``, one fused launch whose event is
     returned (wait on it before posting the WRITE); on CUDA without, the tensor path
     (:func:`gather`), synchronized."""
-    if slab.device.type == "cpu" and HOST_MEMMOVE and device_runs is None:
+    if host_runs(slab) and device_runs is None:
         run_host(pack_table(slab.ptr, segments, slot_lists, caches))
         return None
     if device_runs is not None:
@@ -496,7 +496,7 @@ def unpack_runs(slab: SlabRows, batch: Any, caches: CacheTable,
     """The run table :func:`unpack` copies ``batch`` with (None where it scatters with
     index ops instead): pure arithmetic on the slab's address, so a receiver can make it
     while the batch's bytes are still on their way."""
-    if device_runs is not None or (slab.device.type == "cpu" and HOST_MEMMOVE):
+    if device_runs is not None or host_runs(slab):
         return unpack_table(slab.ptr, batch, caches)
     return None
 
@@ -510,7 +510,7 @@ def unpack(slab: SlabRows, batch: Any, caches: CacheTable,
     it (``torch.cuda.current_stream().wait_event(event)``); with ``wait=True`` only that
     event is waited for. ``table``: :func:`unpack_runs` of the same arguments, made
     earlier."""
-    if slab.device.type == "cpu" and HOST_MEMMOVE and device_runs is None:
+    if host_runs(slab) and device_runs is None:
         run_host(table if table is not None else unpack_table(slab.ptr, batch, caches))
         return None
     if device_runs is not None:
