@@ -406,6 +406,36 @@ async def test_a_host_gather_of_many_rows_moves_the_bytes_memmoves_would(tiers):
         assert store._gather_rows((table[0][:8], table[1][:8], table[2][:8]), fast) is False
 
 
+@pytest.mark.parametrize("tiers", [(16, 0), (6, 10)])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+async def test_a_host_gather_cut_into_parts_moves_the_bytes_the_whole_does(tiers, parts):
+    """``SnapshotStore.gathers``: at most ``parts`` copies (row ranges of the one
+    ``index_select``, or pieces of the memmoves over both tiers) that together write the
+    slab as one :meth:`~SnapshotStore.run` does."""
+    from xavier_async.planning import Segment
+
+    async with cluster([_caches(2)], _cfg(device_blocks=tiers[0], host_blocks=tiers[1])) as (a,):
+        await a.publish_blocks(list(range(16)), list(range(16)))
+        store = a._source.store
+        keys = tuple(range(16))
+        segs = [Segment(layer, keys, layer * 16 * 1024, 1024) for layer in range(LAYERS)]
+        slot_lists = [[store.index.slot(k) for k in keys] for _ in range(LAYERS)]
+        cut, whole = (torch.zeros(LAYERS * 16 * 1024, dtype=torch.uint8) for _ in range(2))
+        out = []
+        for slab in (cut, whole):
+            leased, _, table = store.serve(slab.data_ptr(), segs, slot_lists)
+            store.release(leased)
+            out.append(table)
+        copies = store.gathers(out[0], cut, parts)
+        assert len(copies) == parts
+        if parts > 1:  # one tier: row ranges of one index_select; both tiers: memmoves
+            assert all((c.func is torch.index_select) is (0 in tiers) for c in copies)
+        for copy in reversed(copies):  # in any order: the parts are disjoint
+            copy()
+        store.run(out[1], whole)
+        assert torch.equal(cut, whole) and cut.any()
+
+
 async def test_a_large_batch_under_a_high_direct_write_cap_lands_exactly():
     """A batch of 16 hashes (one copy: the slab holds all 48 KiB) is laid out by numpy,
     one run per block and layer (48): with ``direct_write_regions`` above that it is
